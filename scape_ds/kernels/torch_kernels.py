@@ -90,7 +90,7 @@ def masked_adams_update(
         param: (S,) fp32 master shard, updated in place at ``index``.
         momentum: (S,) fp32 momentum shard, updated in place at ``index``.
         index: (k,) int64 local indices into the shard.
-        grad: (k,) reduced gradient at ``index`` (any float dtype; computed in fp32).
+        grad: (k,) reduced gradient at ``index`` (any float dtype; computed in ``param.dtype``).
         out: (k,) new parameter values in the compute dtype, written in place.
 
     Returns:
@@ -98,9 +98,11 @@ def masked_adams_update(
     """
     p = param.index_select(0, index)  # (k,) fp32
     m = momentum.index_select(0, index)  # (k,) fp32
-    g = grad.to(torch.float32)
+    g = grad.to(param.dtype)
     p.mul_(1.0 - lr * weight_decay)
-    denom = (beta2 * (m / bias_correction).square() + (1.0 - beta2) * g.square()).sqrt_().add_(eps)
+    # the same op sequence (and rounding) as the dense ``adams``: density 1.0 reproduces it bitwise
+    denom = m / bias_correction
+    denom.mul_(denom).mul_(beta2).add_(g * g, alpha=1.0 - beta2).sqrt_().add_(eps)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
     p.addcdiv_(m, denom, value=-lr / bias_correction)
     param.index_copy_(0, index, p)

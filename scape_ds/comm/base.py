@@ -1,0 +1,50 @@
+"""The communication interface SCAPE's exchange runs on.
+
+A :class:`Communicator` is bound to one data-parallel group. All collectives are over 1-D
+contiguous tensors (packed values, encoded masks), sums for reductions, and every call adds the
+bytes this rank sends to ``meter`` under a tag. Implementations: ``TorchCommunicator``
+(torch.distributed: gloo on CPU, NCCL on GPU) and ``MPICommunicator`` (mpi4py).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .meter import ByteMeter
+
+__all__ = ["Communicator", "Work"]
+
+
+@runtime_checkable
+class Work(Protocol):
+    """Handle of an asynchronous collective."""
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collectives over one data-parallel group, with a byte meter."""
+
+    rank: int
+    world_size: int
+    meter: ByteMeter
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        """``out`` (D*n,) = concatenation of every rank's ``inp`` (n,)."""
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> Work:
+        """Like :meth:`all_gather`, returning a handle; ``out`` is valid after ``wait()``."""
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        """``out`` (n,) = sum over ranks of segment ``rank`` of ``inp`` (D*n,)."""
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
+        """In-place sum over ranks; every rank ends with the same bits."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> None:
+        """In-place copy of group rank ``src``'s ``tensor`` to every rank."""
+
+    def barrier(self) -> None:
+        """Block until every rank arrives."""

@@ -1,0 +1,54 @@
+"""torch.distributed implementation of the Communicator (gloo on CPU, NCCL on GPU)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .meter import ByteMeter, collective_bytes
+
+__all__ = ["TorchCommunicator"]
+
+
+class TorchCommunicator:
+    """Collectives over a torch.distributed process group, metered.
+
+    Args:
+        group: the data-parallel process group (``None``: the default group).
+        meter: byte meter to add to (a new one if omitted).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, meter: ByteMeter | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs torch.distributed initialized (deepspeed.init_distributed())")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.meter = meter if meter is not None else ByteMeter()
+        self._src_global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
+
+    def _nbytes(self, t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        self.all_gather_async(out, inp, tag).wait()
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str):
+        assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
+        self.meter.record(tag, collective_bytes("all_gather", self._nbytes(inp), self.world_size))
+        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        assert inp.numel() == out.numel() * self.world_size, (out.shape, inp.shape)
+        self.meter.record(tag, collective_bytes("reduce_scatter", self._nbytes(inp), self.world_size))
+        dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
+        self.meter.record(tag, collective_bytes("all_reduce", self._nbytes(tensor), self.world_size))
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> None:
+        self.meter.record(tag, collective_bytes("broadcast", self._nbytes(tensor), self.world_size, self.rank == src))
+        dist.broadcast(tensor, src=self._src_global[src], group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)

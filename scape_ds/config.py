@@ -1,0 +1,149 @@
+"""The ``"scape"`` block of a DeepSpeed JSON config: every setting, documented and validated.
+
+Example (inside a DeepSpeed config)::
+
+    "optimizer": {"type": "ScapeAdamS", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scape": {"sparsity": 0.99, "mask_refresh_interval": 100}
+
+Invalid values raise ``ValueError`` naming the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["ScapeConfig", "parse_scape_config"]
+
+
+class ScapeConfig(BaseModel):
+    """SCAPE settings (DESIGN.md section 1). One spelling of each name in JSON, kwargs and logs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compressor: Literal["scape", "topk", "randk", "dense"] = "scape"
+    """Who chooses the kept coordinates: ``scape`` from |momentum| at the shard owner; ``topk`` from
+    |reduced gradient| on refresh steps (the raw-gradient baseline); ``randk`` a seeded random mask;
+    ``dense`` sends everything every step (sharded dense AdamS)."""
+
+    sparsity: float = 0.99
+    """Fraction of coordinates *not* sent on a sparse step, in [0, 1). Density rho = 1 - sparsity."""
+
+    mask_refresh_interval: int = 100
+    """T: a new mask every T steps; with ``dense_refresh`` that step is a dense exchange."""
+
+    chunk_size: int = 4096
+    """C: masks keep a fixed kc = round(rho * C) coordinates in every chunk of C elements; a power
+    of two in [8, 65536] so offsets fit in 16 bits."""
+
+    dense_refresh: bool = True
+    """Refresh steps exchange the whole error-feedback-corrected gradient (flushes all residuals)
+    and select the next mask from the fresh momentum. False: sparse refresh with exploration."""
+
+    exploration: float = 0.1
+    """With ``dense_refresh=false``: share of each chunk's kc chosen at random from a seed (so
+    coordinates outside the mask still get fresh statistics), in [0, 1)."""
+
+    dense_numel_threshold: int = 4096
+    """Tensors with fewer elements, and all 1-D tensors (norms, biases), are exchanged densely."""
+
+    param_exchange: Literal["dense", "sparse_replica"] = "dense"
+    """ZeRO-3 only: ``dense`` keeps ZeRO-3's own parameter all-gather; ``sparse_replica`` keeps a
+    compute-dtype replica on every rank patched by a sparse all-gather of new values."""
+
+    comm_backend: Literal["torch", "mpi"] = "torch"
+    """Collectives through torch.distributed (gloo/NCCL) or mpi4py."""
+
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """``auto``: Triton for CUDA tensors when available, torch otherwise."""
+
+    seed: int = 1234
+    """Seed of the exploration and random-k masks (identical on every rank)."""
+
+    log_comm: bool = True
+    """Record per-step bytes sent vs dense (read them from ``optimizer.comm_stats``)."""
+
+    @field_validator("sparsity")
+    @classmethod
+    def _check_sparsity(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("exploration")
+    @classmethod
+    def _check_exploration(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("mask_refresh_interval")
+    @classmethod
+    def _check_interval(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be an integer >= 1, got {v}")
+        return v
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _check_chunk(cls, v: int) -> int:
+        if v < 8 or v > 65536 or v & (v - 1):
+            raise ValueError(f"must be a power of two in [8, 65536], got {v}")
+        return v
+
+    @field_validator("dense_numel_threshold")
+    @classmethod
+    def _check_threshold(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> "ScapeConfig":
+        if self.compressor == "topk" and not self.dense_refresh:
+            raise ValueError(
+                "compressor='topk' selects from the reduced gradient of a dense refresh step: it needs dense_refresh=true"
+            )
+        return self
+
+    @property
+    def density(self) -> float:
+        """rho = 1 - sparsity."""
+        return 1.0 - self.sparsity
+
+    @property
+    def k_per_chunk(self) -> int:
+        """kc: kept coordinates in every chunk (at least 1)."""
+        return max(1, min(self.chunk_size, round(self.density * self.chunk_size)))
+
+
+def _format_error(err: ValidationError, prefix: str) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "(block)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(ScapeConfig.model_fields)
+            msg = f"unknown field; allowed fields: {allowed}"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"{prefix}{field}: {msg}")
+    return "invalid scape config: " + "; ".join(lines)
+
+
+def parse_scape_config(block: ScapeConfig | dict[str, Any] | None) -> ScapeConfig:
+    """Validate a ``"scape"`` block (dict or ScapeConfig) into a :class:`ScapeConfig`.
+
+    Raises:
+        ValueError: with one clause per bad field, e.g. ``scape.sparsity: must be in [0, 1), got 1.5``.
+    """
+    if isinstance(block, ScapeConfig):
+        return block
+    if block is None:
+        return ScapeConfig()
+    if not isinstance(block, dict):
+        raise TypeError(f"the scape config must be a dict, got {type(block).__name__}")
+    try:
+        return ScapeConfig(**block)
+    except ValidationError as err:
+        raise ValueError(_format_error(err, "scape.")) from None

@@ -1,0 +1,66 @@
+"""Flat, padded, sharded layout of a list of parameters over a data-parallel group.
+
+The sparse parameters of one param group are laid end to end in one flat buffer of N elements,
+padded to N_pad = D * S where the shard size S is a multiple of the chunk size C. Data-parallel
+rank r owns the contiguous shard [r*S, (r+1)*S) of every flat buffer (parameters, gradients,
+error feedback), as a ZeRO-1 partition does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FlatLayout", "split_dense_sparse"]
+
+
+def split_dense_sparse(params: list[torch.Tensor], dense_numel_threshold: int) -> tuple[list, list]:
+    """Split into (sparse, dense): 1-D tensors and tensors below the threshold are dense."""
+    sparse = [p for p in params if p.dim() >= 2 and p.numel() >= dense_numel_threshold]
+    ids = {id(p) for p in sparse}
+    return sparse, [p for p in params if id(p) not in ids]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Offsets of each tensor in the flat buffer, and the shard geometry.
+
+    Attributes:
+        numels: elements of each tensor, in order.
+        offsets: start of each tensor in the flat buffer.
+        numel: N, the elements of all tensors.
+        shard_numel: S, elements per rank (a multiple of ``chunk_size``).
+        world_size: D.
+        chunk_size: C.
+    """
+
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    shard_numel: int
+    world_size: int
+    chunk_size: int
+
+    @classmethod
+    def build(cls, tensors: list[torch.Tensor], world_size: int, chunk_size: int) -> "FlatLayout":
+        numels = tuple(t.numel() for t in tensors)
+        offsets, acc = [], 0
+        for n in numels:
+            offsets.append(acc)
+            acc += n
+        quantum = world_size * chunk_size
+        padded = max(quantum, -(-acc // quantum) * quantum)
+        return cls(numels, tuple(offsets), acc, padded // world_size, world_size, chunk_size)
+
+    @property
+    def padded_numel(self) -> int:
+        """N_pad = D * S."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_numel // self.chunk_size
+
+    def shard_slice(self, rank: int) -> slice:
+        """The flat range rank ``rank`` owns."""
+        return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)

@@ -1,0 +1,408 @@
+"""ScapeAdamS: AdamS with SCAPE's sharded, sparse, error-compensated data-parallel exchange.
+
+SCAPE (Zheng, Chen, Xie, Zhang, arXiv 2607.01678) on the AdamS base optimizer; DESIGN.md section 1.
+The parameters are replicated on every data-parallel rank (compute dtype); the optimizer state is
+sharded like ZeRO-1: rank r owns shard r of a flat buffer of the sparse parameters and keeps its
+fp32 master weights and momentum. One step, after backward, on rank r (mask M shared by all ranks):
+
+  1. error feedback: ``a = e + g``; send ``a[M]`` packed (k values); keep ``e = a`` with M zeroed.
+  2. one reduce-scatter of the packed values: the owner of each shard gets the mean at its part of M.
+  3. the owner applies AdamS at its part of M (fp32 master, momentum) and packs the new values.
+  4. one all-gather of the new values; every rank writes them into its flat parameter copy
+     (values, not deltas, so replicas cannot drift).
+  5. every ``mask_refresh_interval`` (T) steps: the step is a dense exchange (``dense_refresh``:
+     the whole ``a`` is sent, which flushes every residual) and afterwards each owner selects its
+     part of the next mask chunk-wise from |m|; the masks travel in an asynchronous all-gather that
+     runs while the next step computes forward/backward, and are used from the next step on.
+
+Small and 1-D tensors are all-reduced densely and updated by every rank alike. The baselines share
+this code: ``compressor="topk"`` (mask from |reduced gradient| of the refresh step), ``"randk"``
+(a seeded random mask), ``"dense"`` (every step dense: sharded dense AdamS).
+
+Memory per rank, for N sparse parameter elements over D ranks: master + momentum 2*4*N/D bytes,
+error feedback 4*N (one fp32 copy of the gradient), a flat gradient staging buffer of N in the
+compute dtype. The parameters themselves become views into one flat buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ..comm import Communicator, build_communicator, collective_bytes
+from ..config import ScapeConfig, parse_scape_config
+from ..exchange.layout import FlatLayout, split_dense_sparse
+from ..exchange.masks import offsets_to_index, random_offsets, select_mask
+from ..kernels import get_kernels
+from .adams import adams, check_adams_hyperparameters
+
+__all__ = ["ScapeAdamS"]
+
+
+@dataclass
+class _GroupState:
+    """Flat buffers and mask state of one param group (internal)."""
+
+    layout: FlatLayout
+    sparse_params: list[torch.Tensor]
+    dense_params: list[torch.Tensor]
+    flat_param: torch.Tensor | None  # (N_pad,) compute dtype; sparse params are views into it
+    master: torch.Tensor | None  # (S,) fp32, this rank's shard
+    momentum: torch.Tensor | None  # (S,) fp32
+    error: torch.Tensor | None  # (N_pad,) fp32 error feedback (None for compressor "dense")
+    flat_grad: torch.Tensor | None  # (N_pad,) compute dtype staging of the local gradient
+    dense_momenta: list[torch.Tensor] = field(default_factory=list)
+    active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
+    active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
+    pending: tuple[Any, torch.Tensor] | None = None  # (work, (D*L,) uint8 encoded masks) in flight
+    decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
+
+
+class ScapeAdamS(Optimizer):
+    """AdamS with SCAPE sparse communication over a data-parallel group.
+
+    Args:
+        params: parameters or param groups (hyperparameters per group, as in torch.optim).
+        lr, betas, eps, weight_decay, bias_correction: AdamS hyperparameters (see ``AdamS``).
+        scape: the ``"scape"`` settings (:class:`ScapeConfig` or dict).
+        comm: the data-parallel :class:`Communicator` (default: ``scape.comm_backend`` over the
+            default process group).
+        max_grad_norm: clip the global norm of the reduced gradient to this (0: off).
+
+    Raises:
+        ValueError: bad hyperparameter or scape setting.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        bias_correction: bool = True,
+        *,
+        scape: ScapeConfig | dict | None = None,
+        comm: Communicator | None = None,
+        max_grad_norm: float = 0.0,
+    ):
+        betas = tuple(betas)
+        check_adams_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm (gradient_clipping) must be >= 0, got {max_grad_norm}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction))
+        # user settings
+        self.cfg = parse_scape_config(scape)
+        self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
+        self.max_grad_norm = float(max_grad_norm)
+        # internal state, built on the first step (after an engine has moved and cast the model)
+        self._groups: list[_GroupState] | None = None
+        self._step = 0
+        self._kernels = None
+        # statistics
+        self.comm_stats: dict[str, Any] = {}
+        self.last_grad_norm: float | None = None
+        self.last_selected_offsets: torch.Tensor | None = None  # this rank's part of the newest mask
+
+    # ------------------------------------------------------------------ build
+    def _lazy_init(self) -> None:
+        if self._groups is not None:
+            return
+        D, r = self.comm.world_size, self.comm.rank
+        self._groups = []
+        for group in self.param_groups:
+            sparse, dense = split_dense_sparse(list(group["params"]), self.cfg.dense_numel_threshold)
+            layout = FlatLayout.build(sparse, D, self.cfg.chunk_size)
+            gs = _GroupState(layout, sparse, dense, None, None, None, None, None)
+            if sparse:
+                dtypes = {p.dtype for p in sparse}
+                devices = {p.device for p in sparse}
+                if len(dtypes) > 1 or len(devices) > 1:
+                    raise ValueError(f"ScapeAdamS needs one dtype and device per param group, got {dtypes} on {devices}")
+                dtype, device = dtypes.pop(), devices.pop()
+                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # (N_pad,)
+                for p, off, n in zip(sparse, layout.offsets, layout.numels):
+                    flat[off : off + n].copy_(p.detach().reshape(-1))
+                # one source of truth for the replicas: rank 0's initial values
+                self.comm.broadcast(flat, 0, "init")
+                for p, off, n in zip(sparse, layout.offsets, layout.numels):
+                    p.data = flat[off : off + n].view_as(p)
+                gs.flat_param = flat
+                state_dtype = _state_dtype(dtype)  # fp32, or fp64 for fp64 parameters
+                gs.master = flat[layout.shard_slice(r)].to(state_dtype, copy=True)  # (S,) fp32
+                gs.momentum = torch.zeros_like(gs.master)  # (S,) fp32
+                gs.flat_grad = torch.zeros_like(flat)  # (N_pad,) compute dtype
+                if self.cfg.compressor != "dense":
+                    gs.error = torch.zeros(layout.padded_numel, dtype=state_dtype, device=device)
+                self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
+            for p in dense:
+                self.comm.broadcast(p.data, 0, "init")
+                state = self.state[p]
+                state["momentum"] = torch.zeros_like(p, dtype=_state_dtype(p.dtype))
+                gs.dense_momenta.append(state["momentum"])
+            self._groups.append(gs)
+
+    # ------------------------------------------------------------------ schedule
+    def _is_refresh(self, t: int) -> bool:
+        return t == 1 or (t - 1) % self.cfg.mask_refresh_interval == 0
+
+    def _is_dense(self, t: int) -> bool:
+        return self.cfg.compressor == "dense" or t == 1 or (self.cfg.dense_refresh and self._is_refresh(t))
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SCAPE step: exchange gradients, update the owned shard, exchange new values."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._lazy_init()
+        self._step += 1
+        t = self._step
+        dense_step = self._is_dense(t)
+        meter = self.comm.meter
+        reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
+        scale = self._clip_coefficient(reduced)
+        for group, gs, (sparse_g, dense_g) in zip(self.param_groups, self._groups, reduced):
+            self._update_group(group, gs, sparse_g, dense_g, scale, dense_step)
+            if self._is_refresh(t) and gs.flat_param is not None and self.cfg.compressor != "dense":
+                self._select_next_mask(gs, sparse_g if dense_step else None)
+            meter.record_dense(self._dense_bytes(gs))
+        by_tag, dense_bytes = meter.step_bytes()
+        if self.cfg.log_comm:
+            self.comm_stats = dict(step=t, dense_step=dense_step, bytes_sent=sum(by_tag.values()),
+                                   bytes_dense=dense_bytes, by_tag=by_tag)
+        return loss
+
+    def _exchange_grads(self, gs: _GroupState, dense_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Steps 1-2: returns (this shard's mean gradient at its mask or whole shard, dense grads)."""
+        D, r = self.comm.world_size, self.comm.rank
+        sparse_g = dense_g = None
+        if gs.dense_params:
+            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype)) for p in gs.dense_params])  # (M,) fp32
+            self.comm.all_reduce(dense_g, "dense_ar")
+            dense_g.div_(D)
+        if gs.flat_param is None:
+            return sparse_g, dense_g
+        layout, kern = gs.layout, self._kernels
+        n = layout.numel
+        torch.cat([_grad_or_zeros(p).reshape(-1) for p in gs.sparse_params], out=gs.flat_grad[:n])
+        if dense_step:
+            if gs.error is not None:
+                # a copy even in fp32: the buffer is zeroed below while `send` is in flight
+                send = gs.error.add_(gs.flat_grad).to(gs.flat_param.dtype, copy=True)  # (N_pad,) wire dtype
+                gs.error.sub_(send.to(gs.error.dtype))  # rounding residual only (zero in fp32)
+            else:
+                send = gs.flat_grad
+            sparse_g = torch.empty(layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
+            self.comm.reduce_scatter(sparse_g, send, "grad_rs")
+        else:
+            self._wait_pending(gs)
+            k = gs.active_index.numel() // D
+            packed = torch.empty(gs.active_index.numel(), dtype=gs.flat_param.dtype, device=gs.flat_param.device)
+            kern.ef_accumulate_pack(gs.error, gs.flat_grad, gs.active_index, packed)  # (K,)
+            sparse_g = torch.empty(k, dtype=packed.dtype, device=packed.device)  # (k,)
+            self.comm.reduce_scatter(sparse_g, packed, "grad_rs")
+        sparse_g = sparse_g.to(gs.master.dtype).div_(D)
+        return sparse_g, dense_g
+
+    def _clip_coefficient(self, reduced) -> float:
+        """Global-norm clipping factor over every shard's reduced gradient (one scalar all-reduce)."""
+        if self.max_grad_norm <= 0:
+            self.last_grad_norm = None
+            return 1.0
+        sharded = torch.zeros(1, dtype=torch.float64)
+        replicated = 0.0
+        for sparse_g, dense_g in reduced:
+            if sparse_g is not None:
+                sharded += sparse_g.double().square().sum().cpu()
+            if dense_g is not None:
+                replicated += float(dense_g.double().square().sum())
+        self.comm.all_reduce(sharded, "norm_ar")
+        norm = math.sqrt(float(sharded) + replicated)
+        self.last_grad_norm = norm
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _update_group(self, group, gs: _GroupState, sparse_g, dense_g, scale: float, dense_step: bool) -> None:
+        """Steps 3-4: AdamS on the owned shard (at the mask) and the all-gather of new values."""
+        t, D, r = self._step, self.comm.world_size, self.comm.rank
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
+        if dense_g is not None:
+            if scale != 1.0:
+                dense_g.mul_(scale)
+            grads = list(torch.split(dense_g, [p.numel() for p in gs.dense_params]))
+            grads = [g.view_as(p) for g, p in zip(grads, gs.dense_params)]
+            adams(gs.dense_params, grads, gs.dense_momenta, step=t, bias_correction=group["bias_correction"], **hyper)
+        if sparse_g is None:
+            return
+        if scale != 1.0:
+            sparse_g.mul_(scale)
+        layout = gs.layout
+        if dense_step:
+            if gs.active_index is not None and gs.decay_debt != 1.0:
+                # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
+                k = gs.active_index.numel() // D
+                local = gs.active_index[r * k : (r + 1) * k] - r * layout.shard_numel  # (k,) int64
+                kept = gs.master[local]
+                gs.master.mul_(gs.decay_debt)
+                gs.master[local] = kept
+            gs.decay_debt = 1.0
+            adams([gs.master], [sparse_g], [gs.momentum], step=t, bias_correction=group["bias_correction"], **hyper)
+            new = gs.master.to(gs.flat_param.dtype)  # (S,) compute dtype
+            self.comm.all_gather(gs.flat_param, new, "param_ag")
+        else:
+            K = gs.active_index.numel()
+            k = K // D
+            local = gs.active_index[r * k : (r + 1) * k] - r * layout.shard_numel  # (k,) int64
+            c = 1.0 - beta1**t if group["bias_correction"] else 1.0
+            new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
+            self._kernels.masked_adams_update(gs.master, gs.momentum, local, sparse_g, new, bias_correction=c, **hyper)
+            values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
+            self.comm.all_gather(values, new, "param_ag")
+            self._kernels.scatter_values(gs.flat_param, gs.active_index, values)
+            gs.decay_debt *= 1.0 - lr * wd
+
+    # ------------------------------------------------------------------ masks
+    def _select_next_mask(self, gs: _GroupState, reduced_grad: torch.Tensor | None) -> None:
+        """Step 5: choose the next mask; SCAPE/top-k start its all-gather, used from the next step."""
+        cfg, layout, t = self.cfg, gs.layout, self._step
+        self._wait_pending(gs)  # a refresh that follows a refresh (T=1) supersedes the older mask
+        C, kc = cfg.chunk_size, cfg.k_per_chunk
+        if cfg.compressor == "randk":
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t)  # same draw on every rank
+            offsets = random_offsets(layout.chunks_per_shard * layout.world_size, C, kc, gen)
+            self._set_active(gs, offsets.to(gs.flat_param.device))
+            return
+        scores = reduced_grad if cfg.compressor == "topk" else gs.momentum
+        gen = None
+        exploration = 0.0 if cfg.dense_refresh else cfg.exploration
+        if exploration > 0:
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t * 1009 + self.comm.rank)
+        offsets = select_mask(scores, C, kc, self._kernels, exploration, gen)  # (k,) int16
+        self.last_selected_offsets = offsets
+        encoded = self._kernels.encode_mask(offsets, C, kc)  # (L,) uint8
+        out = torch.empty(encoded.numel() * self.comm.world_size, dtype=torch.uint8, device=encoded.device)
+        work = self.comm.all_gather_async(out, encoded, "mask_ag")
+        gs.pending = (work, out)
+
+    def _wait_pending(self, gs: _GroupState) -> None:
+        if gs.pending is None:
+            return
+        work, out = gs.pending
+        work.wait()
+        gs.pending = None
+        self._set_active(gs, self._kernels.decode_mask(out, self.cfg.chunk_size, self.cfg.k_per_chunk))
+
+    def _set_active(self, gs: _GroupState, offsets: torch.Tensor) -> None:
+        gs.active_offsets = offsets  # (K,) int16
+        gs.active_index = offsets_to_index(offsets, self.cfg.chunk_size, self.cfg.k_per_chunk)  # (K,) int64
+
+    # ------------------------------------------------------------------ accounting
+    def _dense_bytes(self, gs: _GroupState) -> int:
+        """What a dense ZeRO-1 step sends for this group: RS of grads + AG of params + dense AR."""
+        D = self.comm.world_size
+        total = sum(collective_bytes("all_reduce", p.numel() * 4, D) for p in gs.dense_params)
+        if gs.flat_param is not None:
+            b = gs.flat_param.element_size()
+            total += collective_bytes("reduce_scatter", gs.layout.padded_numel * b, D)
+            total += collective_bytes("all_gather", gs.layout.shard_numel * b, D)
+        return total
+
+    def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
+        """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use."""
+        self._lazy_init()
+        gs = self._groups[group_index]
+        self._wait_pending(gs)
+        return None if gs.active_offsets is None else gs.active_offsets.clone()
+
+    def error_feedback(self, group_index: int = 0) -> torch.Tensor | None:
+        """This rank's error-feedback buffer of a param group, (N_pad,) fp32 (read-only view)."""
+        self._lazy_init()
+        return self._groups[group_index].error
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state: hyperparameters, step, every shard buffer, error feedback and masks.
+
+        The state is sharded: each data-parallel rank saves and loads its own.
+        """
+        self._lazy_init()
+        groups = []
+        for gs in self._groups:
+            self._wait_pending(gs)
+            groups.append(dict(
+                master=_clone(gs.master), momentum=_clone(gs.momentum), error=_clone(gs.error),
+                active_offsets=_clone(gs.active_offsets), decay_debt=gs.decay_debt,
+                dense_momenta=[m.clone() for m in gs.dense_momenta],
+                numel=gs.layout.numel, padded_numel=gs.layout.padded_numel,
+            ))
+        param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return dict(param_groups=param_groups, scape=dict(
+            step=self._step, rank=self.comm.rank, world_size=self.comm.world_size,
+            config=self.cfg.model_dump(), groups=groups,
+        ))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size.
+
+        Raises:
+            ValueError: saved with another world size, rank or parameter layout.
+        """
+        if "scape" not in state_dict:
+            raise ValueError("not a ScapeAdamS state dict (no 'scape' entry)")
+        sc = state_dict["scape"]
+        if sc["world_size"] != self.comm.world_size or sc["rank"] != self.comm.rank:
+            raise ValueError(
+                f"ScapeAdamS state of rank {sc['rank']}/{sc['world_size']} cannot load on rank "
+                f"{self.comm.rank}/{self.comm.world_size}: resume with the same data-parallel size"
+            )
+        self._lazy_init()
+        if len(sc["groups"]) != len(self._groups):
+            raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for gs, saved in zip(self._groups, sc["groups"]):
+            if saved["numel"] != gs.layout.numel:
+                raise ValueError(f"checkpoint param group has {saved['numel']} sparse elements, model has {gs.layout.numel}")
+            _copy_into(gs.master, saved["master"])
+            _copy_into(gs.momentum, saved["momentum"])
+            _copy_into(gs.error, saved["error"])
+            for m, s in zip(gs.dense_momenta, saved["dense_momenta"]):
+                m.copy_(s)
+            gs.pending = None
+            gs.decay_debt = saved["decay_debt"]
+            if saved["active_offsets"] is None:
+                gs.active_offsets = gs.active_index = None
+            else:
+                self._set_active(gs, saved["active_offsets"].to(gs.flat_param.device))
+        self._step = sc["step"]
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Optimizer state (master, momentum, error feedback) is fp32, or fp64 for fp64 parameters."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
+    if dst is None or src is None:
+        assert dst is None and src is None, "buffer present on one side only"
+        return
+    dst.copy_(src)

@@ -1,0 +1,27 @@
+"""Small models and data shared by the multi-rank tests (importable by spawned ranks)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_mlp(seed: int = 0, width: int = 64, hidden: int = 128, bias: bool = True, norm: bool = True) -> nn.Module:
+    """Two linear layers (sparse-exchanged) with optional biases and a LayerNorm (dense-exchanged)."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(width, hidden, bias=bias)]
+    if norm:
+        layers.append(nn.LayerNorm(hidden))
+    layers += [nn.GELU(), nn.Linear(hidden, width, bias=bias)]
+    return nn.Sequential(*layers)
+
+
+def make_batch(step: int, rank: int, width: int = 64, batch: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic regression batch of one rank at one step."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step * 101 + rank)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.sin(x) + 0.1 * torch.randn(batch, width, generator=g)
+    return x, y
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
