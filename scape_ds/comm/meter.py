@@ -62,8 +62,12 @@ class ByteMeter:
         return sum(v for k, v in self.total.items() if k != "init")
 
     def step_bytes(self) -> tuple[dict[str, int], int]:
-        """Return ``(bytes by tag, dense-equivalent bytes)`` since the last call, and reset them."""
-        sent, dense = dict(self._since_step), self._dense_since_step
+        """Return ``(bytes by tag, dense-equivalent bytes)`` since the last call, and reset them.
+
+        One-off ``init`` broadcasts are left out of the per-step numbers (they stay in ``total``).
+        """
+        sent = {k: v for k, v in self._since_step.items() if k != "init"}
+        dense = self._dense_since_step
         self._since_step = defaultdict(int)
         self._dense_since_step = 0
         return sent, dense

@@ -8,6 +8,10 @@ from .meter import ByteMeter, collective_bytes
 
 __all__ = ["TorchCommunicator"]
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); keep both working
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class TorchCommunicator:
     """Collectives over a torch.distributed process group, metered.
@@ -35,12 +39,12 @@ class TorchCommunicator:
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str):
         assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
         self.meter.record(tag, collective_bytes("all_gather", self._nbytes(inp), self.world_size))
-        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+        return _all_gather_flat(out, inp, group=self.group, async_op=True)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
         assert inp.numel() == out.numel() * self.world_size, (out.shape, inp.shape)
         self.meter.record(tag, collective_bytes("reduce_scatter", self._nbytes(inp), self.world_size))
-        dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         self.meter.record(tag, collective_bytes("all_reduce", self._nbytes(tensor), self.world_size))

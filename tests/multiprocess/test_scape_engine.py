@@ -33,9 +33,10 @@ def _flat_params(model) -> torch.Tensor:
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
+    wire = t.to(torch.int32) if t.dtype == torch.int16 else t  # gloo has no int16
+    out = [torch.empty_like(wire) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, wire)
+    return [o.to(t.dtype) for o in out]
 
 
 # ---------------------------------------------------------------- density 1.0 == dense AdamS

@@ -1,0 +1,206 @@
+"""Triton implementations of the SCAPE hot operations (CUDA tensors; CPU under ``TRITON_INTERPRET=1``).
+
+Same signatures and results as ``torch_kernels`` (the oracle), checked against it in
+tests/unit/test_triton_kernels.py. Differences, by design:
+  * ``chunk_topk`` is a radix select on the bits of |score| (31 counting passes over a chunk held
+    in registers), then a prefix sum writes the kept offsets in ascending order. Among equal
+    magnitudes at the threshold it keeps the lowest offsets; torch.topk breaks such ties
+    arbitrarily. It also returns the true offsets of NaN scores first (NaN sorts above inf).
+  * ``masked_adams_update`` evaluates the same formula in fp32 registers; results agree with the
+    torch kernel to fp32 rounding (a fused multiply-add may differ in the last bit).
+The mask of 16-bit offsets needs no kernel: encoding it is a reinterpretation of the bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - triton is an install requirement
+    raise ImportError("Triton kernels need triton: pip install 'triton==3.8.0' (or set scape.kernels='torch')") from e
+
+from .torch_kernels import mask_uses_bitmask
+
+__all__ = [
+    "ef_accumulate_pack",
+    "chunk_topk",
+    "masked_adams_update",
+    "scatter_values",
+    "encode_mask",
+    "decode_mask",
+    "mask_uses_bitmask",
+]
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _round_to(x, dst_ty: tl.constexpr):
+    """Cast fp32 ``x`` to ``dst_ty`` rounding to nearest-even, as torch does; bf16 by bit arithmetic
+    because Triton's interpreter truncates fp32 -> bf16 casts (on GPU the result is the same)."""
+    if dst_ty == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dst_ty)
+
+
+# ------------------------------------------------------------------ error feedback + pack
+@triton.jit
+def _add_kernel(error_ptr, grad_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    e = tl.load(error_ptr + offs, mask=live)
+    g = tl.load(grad_ptr + offs, mask=live).to(e.dtype)
+    tl.store(error_ptr + offs, e + g, mask=live)
+
+
+@triton.jit
+def _pack_kernel(error_ptr, index_ptr, out_ptr, k, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < k
+    idx = tl.load(index_ptr + offs, mask=live, other=0)
+    a = tl.load(error_ptr + idx, mask=live)
+    sent = _round_to(a, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, sent, mask=live)
+    tl.store(error_ptr + idx, a - sent.to(a.dtype), mask=live)  # rounding residual of the wire dtype
+
+
+def ef_accumulate_pack(error: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``a = error + grad; out = a[index]; error = a - out`` (see ``torch_kernels``). Two launches."""
+    n, k = error.numel(), index.numel()
+    _add_kernel[(triton.cdiv(n, _BLOCK),)](error, grad, n, BLOCK=_BLOCK)
+    if k:
+        _pack_kernel[(triton.cdiv(k, _BLOCK),)](error, index, out, k, BLOCK=_BLOCK)
+    return out
+
+
+# ------------------------------------------------------------------ chunk-wise top-k
+@triton.jit
+def _chunk_topk_kernel(scores_ptr, out_ptr, KC: tl.constexpr, C: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = tl.arange(0, C)
+    x = tl.load(scores_ptr + chunk * C + offs).to(tl.float32)
+    key = tl.abs(x).to(tl.int32, bitcast=True)  # non-negative floats order like their bits
+    # radix select: the largest threshold with at least KC keys >= it is the KC-th largest key
+    thr = tl.zeros((), dtype=tl.int32)
+    for b in tl.static_range(31):
+        cand = thr | (1 << (30 - b))
+        cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+        thr = tl.where(cnt >= KC, cand, thr)
+    greater = key > thr
+    need = KC - tl.sum(greater.to(tl.int32), axis=0)  # how many keys equal to thr to keep
+    equal = key == thr
+    equal_rank = tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equals, lowest offset first
+    keep = greater | (equal & (equal_rank <= need))
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # ascending output slot of each kept offset
+    tl.store(out_ptr + chunk * KC + pos, offs.to(tl.int32), mask=keep)
+
+
+def chunk_topk(scores: torch.Tensor, chunk_size: int, k_per_chunk: int) -> torch.Tensor:
+    """Chunk-wise top-k of ``|scores|`` as (S // C * kc,) int16 offsets, ascending per chunk."""
+    n_chunks = scores.numel() // chunk_size
+    out = torch.empty(n_chunks * k_per_chunk, dtype=torch.int32, device=scores.device)  # (k,) int32
+    if n_chunks:
+        _chunk_topk_kernel[(n_chunks,)](scores.detach().contiguous(), out, KC=k_per_chunk, C=chunk_size)
+    return out.to(torch.int16)
+
+
+# ------------------------------------------------------------------ masked AdamS
+@triton.jit
+def _masked_adams_kernel(param_ptr, mom_ptr, index_ptr, grad_ptr, out_ptr, k,
+                         lr, beta1, beta2, eps, decay, c, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < k
+    idx = tl.load(index_ptr + offs, mask=live, other=0)
+    p = tl.load(param_ptr + idx, mask=live)
+    m = tl.load(mom_ptr + idx, mask=live)
+    g = tl.load(grad_ptr + offs, mask=live).to(p.dtype)
+    p = p * decay
+    mc = m / c
+    denom = tl.sqrt(mc * mc * beta2 + (1.0 - beta2) * (g * g)) + eps
+    m = m * beta1 + (1.0 - beta1) * g
+    p = p - (lr / c) * (m / denom)
+    tl.store(param_ptr + idx, p, mask=live)
+    tl.store(mom_ptr + idx, m, mask=live)
+    tl.store(out_ptr + offs, _round_to(p, out_ptr.dtype.element_ty), mask=live)
+
+
+def masked_adams_update(param, momentum, index, grad, out, *, lr, beta1, beta2, eps, weight_decay, bias_correction):
+    """AdamS at ``index`` of the master shard, new values to ``out`` (see ``torch_kernels``)."""
+    k = index.numel()
+    if k:
+        _masked_adams_kernel[(triton.cdiv(k, _BLOCK),)](
+            param, momentum, index, grad, out, k, float(lr), float(beta1), float(beta2), float(eps),
+            float(1.0 - lr * weight_decay), float(bias_correction), BLOCK=_BLOCK)
+    return out
+
+
+# ------------------------------------------------------------------ scatter of received values
+@triton.jit
+def _scatter_kernel(dst_ptr, index_ptr, values_ptr, k, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < k
+    idx = tl.load(index_ptr + offs, mask=live, other=0)
+    v = tl.load(values_ptr + offs, mask=live)
+    tl.store(dst_ptr + idx, _round_to(v, dst_ptr.dtype.element_ty), mask=live)
+
+
+def scatter_values(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``dst[index] = values`` (cast to ``dst.dtype``)."""
+    k = index.numel()
+    if k:
+        _scatter_kernel[(triton.cdiv(k, _BLOCK),)](dst, index, values, k, BLOCK=_BLOCK)
+    return dst
+
+
+# ------------------------------------------------------------------ mask encode / decode
+@triton.jit
+def _encode_bits_kernel(offsets_ptr, words_ptr, k, KC: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < k
+    o = tl.load(offsets_ptr + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
+    position = (offs // KC) * C + o  # bit position in the whole mask
+    bit = (1 << (position % 32)).to(tl.int32)
+    tl.atomic_or(words_ptr + position // 32, bit, mask=live)
+
+
+@triton.jit
+def _decode_bits_kernel(bytes_ptr, out_ptr, count_ptr, KC: tl.constexpr, C: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = tl.arange(0, C)
+    byte = tl.load(bytes_ptr + chunk * (C // 8) + offs // 8).to(tl.int32)
+    bit = (byte >> (offs % 8)) & 1
+    pos = tl.cumsum(bit, axis=0) - 1
+    keep = (bit == 1) & (pos < KC)
+    tl.store(out_ptr + chunk * KC + pos, offs, mask=keep)
+    tl.store(count_ptr + chunk, tl.sum(bit, axis=0))
+
+
+def encode_mask(offsets: torch.Tensor, chunk_size: int, k_per_chunk: int) -> torch.Tensor:
+    """Bitmask (little-endian, C/8 bytes a chunk) or the raw 16-bit offsets, whichever is smaller."""
+    if not mask_uses_bitmask(chunk_size, k_per_chunk):
+        return offsets.contiguous().view(torch.uint8)
+    n_chunks = offsets.numel() // k_per_chunk
+    words = torch.zeros(n_chunks * chunk_size // 32, dtype=torch.int32, device=offsets.device)  # (bits/32,)
+    k = offsets.numel()
+    if k:
+        _encode_bits_kernel[(triton.cdiv(k, _BLOCK),)](offsets.contiguous(), words, k, KC=k_per_chunk,
+                                                      C=chunk_size, BLOCK=_BLOCK)
+    return words.view(torch.uint8)  # little-endian: bit j of word w is bit j%8 of byte 4w + j//8
+
+
+def decode_mask(encoded: torch.Tensor, chunk_size: int, k_per_chunk: int) -> torch.Tensor:
+    """Inverse of :func:`encode_mask`: (n_chunks * kc,) int16 offsets, ascending per chunk."""
+    if not mask_uses_bitmask(chunk_size, k_per_chunk):
+        return encoded.contiguous().view(torch.int16)
+    n_chunks = encoded.numel() * 8 // chunk_size
+    out = torch.empty(n_chunks * k_per_chunk, dtype=torch.int32, device=encoded.device)  # (k,) int32
+    counts = torch.empty(n_chunks, dtype=torch.int32, device=encoded.device)  # (n_chunks,) bits set
+    if n_chunks:
+        _decode_bits_kernel[(n_chunks,)](encoded.contiguous(), out, counts, KC=k_per_chunk, C=chunk_size)
+        if not bool((counts == k_per_chunk).all()):
+            raise RuntimeError(f"corrupt mask: {int(counts.sum())} bits set, expected {n_chunks} chunks x {k_per_chunk}")
+    return out.to(torch.int16)

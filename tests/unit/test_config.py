@@ -1,0 +1,55 @@
+"""The "scape" config block: defaults, derived values and one clear error per bad field."""
+from __future__ import annotations
+
+import pytest
+
+from scape_ds.config import ScapeConfig, parse_scape_config
+
+
+def test_defaults_and_derived_values():
+    cfg = parse_scape_config(None)
+    assert cfg.sparsity == 0.99 and cfg.compressor == "scape" and cfg.dense_refresh
+    assert cfg.k_per_chunk == round(0.01 * cfg.chunk_size)
+    assert parse_scape_config({"sparsity": 0.0, "chunk_size": 8}).k_per_chunk == 8
+    assert parse_scape_config(cfg) is cfg
+
+
+@pytest.mark.parametrize(
+    "block,field,allowed",
+    [
+        ({"sparsity": 1.0}, "scape.sparsity", "[0, 1)"),
+        ({"sparsity": -0.1}, "scape.sparsity", "[0, 1)"),
+        ({"mask_refresh_interval": 0}, "scape.mask_refresh_interval", ">= 1"),
+        ({"chunk_size": 1000}, "scape.chunk_size", "power of two in [8, 65536]"),
+        ({"chunk_size": 131072}, "scape.chunk_size", "power of two in [8, 65536]"),
+        ({"exploration": 1.5}, "scape.exploration", "[0, 1)"),
+        ({"dense_numel_threshold": -1}, "scape.dense_numel_threshold", ">= 0"),
+        ({"compressor": "powersgd"}, "scape.compressor", "'scape', 'topk', 'randk' or 'dense'"),
+        ({"comm_backend": "nccl"}, "scape.comm_backend", "'torch' or 'mpi'"),
+        ({"kernels": "cuda"}, "scape.kernels", "'auto', 'triton' or 'torch'"),
+        ({"param_exchange": "sparse"}, "scape.param_exchange", "'dense' or 'sparse_replica'"),
+        ({"sparsity": "lots"}, "scape.sparsity", "valid number"),
+        ({"sparsityy": 0.9}, "scape.sparsityy", "unknown field; allowed fields: compressor, sparsity"),
+    ],
+)
+def test_every_bad_value_names_field_and_range(block, field, allowed):
+    with pytest.raises(ValueError) as err:
+        parse_scape_config(block)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert field in msg and allowed in msg, msg
+
+
+def test_topk_needs_dense_refresh():
+    with pytest.raises(ValueError, match="dense_refresh"):
+        parse_scape_config({"compressor": "topk", "dense_refresh": False})
+
+
+def test_not_a_dict():
+    with pytest.raises(TypeError, match="dict"):
+        parse_scape_config([0.99])
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        ScapeConfig().sparsity = 0.5  # type: ignore[misc]
