@@ -1,0 +1,139 @@
+"""Bytes per step, dense vs SCAPE, for a GPT-2 125M shape on 8 data-parallel ranks (counted, not timed).
+
+    python bench/bytes.py                     # 125M shape, 8 ranks, sparsity 0.9/0.99, T 10/100
+    python bench/bytes.py --ranks 16 --shape gpt2-125m --out bench/bytes.json
+
+How it counts: one process plays rank 0 of D. The real ScapeAdamS runs on parameters of the real
+shapes with a :class:`SimulatedCommunicator` that moves no data (every "other rank" holds the same
+values) but meters every collective exactly as the torch and MPI communicators do (the byte meter
+of scape_ds.comm). It runs steps 1..T+1 and averages one full refresh period, steps 2..T+1 (T-1
+sparse steps and one dense refresh with its mask all-gather), and checks the count against the
+closed form. Dense = what ZeRO-1/DDP send: a reduce-scatter of gradients and an all-gather of
+parameters (the same bytes as one all-reduce), fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scape_ds.comm import ByteMeter, collective_bytes  # noqa: E402
+from scape_ds.models import GPT, GPT_SHAPES  # noqa: E402
+from scape_ds.optim import ScapeAdamS  # noqa: E402
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class SimulatedCommunicator:
+    """Rank ``rank`` of ``world_size`` identical ranks: collectives computed locally, bytes metered."""
+
+    def __init__(self, world_size: int, rank: int = 0):
+        self.world_size, self.rank, self.meter = world_size, rank, ByteMeter()
+
+    def _count(self, kind, t, tag):
+        self.meter.record(tag, collective_bytes(kind, t.numel() * t.element_size(), self.world_size, self.rank == 0))
+
+    def all_gather(self, out, inp, tag):
+        self.all_gather_async(out, inp, tag)
+
+    def all_gather_async(self, out, inp, tag):
+        self._count("all_gather", inp, tag)
+        out.view(self.world_size, -1).copy_(inp.view(1, -1))
+        return _Done()
+
+    def reduce_scatter(self, out, inp, tag):
+        self._count("reduce_scatter", inp, tag)
+        out.copy_(inp.view(self.world_size, -1)[self.rank]).mul_(self.world_size)
+
+    def all_reduce(self, tensor, tag):
+        self._count("all_reduce", tensor, tag)
+        tensor.mul_(self.world_size)
+
+    def broadcast(self, tensor, src, tag):
+        self._count("broadcast", tensor, tag)
+
+    def barrier(self):
+        return None
+
+
+def build_params(shape: str) -> list[torch.nn.Parameter]:
+    """Parameters with the shapes (and order) of the GPT ``shape``, random values."""
+    with torch.device("meta"):
+        model = GPT(GPT_SHAPES[shape])
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(p.shape, generator=gen) * 0.02) for p in model.parameters()]
+
+
+def count(params, grads, world_size: int, sparsity: float, interval: int) -> dict:
+    comm = SimulatedCommunicator(world_size)
+    opt = ScapeAdamS(params, lr=1e-4, scape=dict(sparsity=sparsity, mask_refresh_interval=interval), comm=comm)
+    per_step = []
+    for t in range(1, interval + 2):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        per_step.append(dict(opt.comm_stats))
+    period = per_step[1:]  # steps 2..T+1: T-1 sparse steps and one dense refresh
+    sparse = [s for s in period if not s["dense_step"]]
+    refresh = [s for s in period if s["dense_step"]]
+    assert len(refresh) == 1 and len(sparse) == interval - 1
+    assert len({s["bytes_sent"] for s in sparse}) <= 1, "every sparse step sends the same bytes"
+    gs = opt._groups[0]
+    D, S, C, kc = world_size, gs.layout.shard_numel, opt.cfg.chunk_size, opt.cfg.k_per_chunk
+    k = S // C * kc
+    mask = (D - 1) * (S // C) * min(C // 8, 2 * kc)
+    dense_small = sum(collective_bytes("all_reduce", p.numel() * 4, D) for p in gs.dense_params)
+    closed_sparse = collective_bytes("reduce_scatter", D * k * 4, D) + collective_bytes("all_gather", k * 4, D) + dense_small
+    closed_refresh = 2 * (D - 1) * S * 4 + dense_small + mask
+    assert not sparse or sparse[0]["bytes_sent"] == closed_sparse, (sparse[0], closed_sparse)
+    assert refresh[0]["bytes_sent"] == closed_refresh, (refresh[0], closed_refresh)
+    mean = sum(s["bytes_sent"] for s in period) / len(period)
+    dense = period[0]["bytes_dense"]
+    return dict(sparsity=sparsity, T=interval, dense_bytes=dense, sparse_step_bytes=sparse[0]["bytes_sent"] if sparse else None,
+                refresh_step_bytes=refresh[0]["bytes_sent"], mask_bytes=mask, mean_bytes=mean,
+                mean_vs_dense=mean / dense, sparse_step_vs_dense=(sparse[0]["bytes_sent"] + mask / interval) / dense if sparse else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="gpt2-125m", choices=sorted(GPT_SHAPES))
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.9, 0.99])
+    ap.add_argument("--intervals", type=int, nargs="+", default=[10, 100])
+    ap.add_argument("--out", default=None, help="write the rows as JSON")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    params = build_params(args.shape)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    n = sum(p.numel() for p in params)
+    print(f"{args.shape}: {n / 1e6:.1f}M parameters, {args.ranks} ranks, fp32 exchange")
+    print(f"{'sparsity':>8} {'T':>5} {'dense MB/step':>14} {'sparse-step MB':>15} {'refresh MB':>11} "
+          f"{'mean MB/step':>13} {'mean/dense':>11}")
+    rows = []
+    for sparsity in args.sparsity:
+        for interval in args.intervals:
+            t0 = time.perf_counter()
+            fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            row = count(fresh, grads, args.ranks, sparsity, interval)
+            row["count_s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(f"{sparsity:8.2f} {interval:5d} {row['dense_bytes'] / 1e6:14.1f} {row['sparse_step_bytes'] / 1e6:15.2f} "
+                  f"{row['refresh_step_bytes'] / 1e6:11.1f} {row['mean_bytes'] / 1e6:13.2f} {row['mean_vs_dense']:11.2%}",
+                  flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(dict(shape=args.shape, ranks=args.ranks, params=n, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

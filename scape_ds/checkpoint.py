@@ -1,0 +1,109 @@
+"""Atomic checkpoints of a DeepSpeed engine with every rank's SCAPE state.
+
+Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
+
+    latest                           the tag of the newest complete checkpoint, written last
+    global_step<N>/                  DeepSpeed's model, scheduler and client state files
+    global_step<N>/scape_dp_rank_<r>.pt   rank r's ScapeAdamS state: master weights, momentum,
+                                     error feedback, masks, step counters
+
+Steps of :func:`save_checkpoint`: (1) DeepSpeed writes its files into the tag directory without
+touching ``latest``; (2) every rank writes its SCAPE state to a temporary file and renames it into
+place; (3) a barrier; (4) rank 0 writes ``latest`` by rename. A run killed anywhere before (4)
+leaves ``latest`` naming the previous complete checkpoint, which is what :func:`load_checkpoint`
+loads. DeepSpeed's old 1-bit Adam dropped its error feedback on load; here it is part of the state.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .engine import scape_optimizer
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag"]
+
+LATEST = "latest"
+
+
+def _scape_file(tag_dir: str, rank: int) -> str:
+    return os.path.join(tag_dir, f"scape_dp_rank_{rank:05d}.pt")
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None = None) -> str:
+    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir."""
+    tag = f"global_step{step}"
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+    tag_dir = os.path.join(save_dir, tag)
+    opt = scape_optimizer(engine)
+    if opt is not None:
+        os.makedirs(tag_dir, exist_ok=True)
+        _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt.comm.rank))
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    if dist.is_initialized():
+        dist.barrier()
+    return tag_dir
+
+
+def read_latest_tag(load_dir: str) -> str:
+    """The tag named by ``load_dir/latest``.
+
+    Raises:
+        ValueError: ``load_dir`` is not a directory holding a complete checkpoint.
+    """
+    if not os.path.isdir(load_dir):
+        raise ValueError(f"--load {load_dir}: no such directory")
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        raise ValueError(f"--load {load_dir}: not a checkpoint directory (no '{LATEST}' file)")
+    with open(latest, encoding="utf-8") as f:
+        tag = f.read().strip()
+    if not tag or not os.path.isdir(os.path.join(load_dir, tag)):
+        raise ValueError(f"--load {load_dir}: '{LATEST}' names {tag!r}, which is not a directory there")
+    return tag
+
+
+def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
+    """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
+
+    Returns:
+        ``(tag, client_state)``.
+
+    Raises:
+        ValueError: not a checkpoint, a missing rank file (saved with another data-parallel size),
+            or a checkpoint of another optimizer.
+    """
+    tag = read_latest_tag(load_dir)
+    tag_dir = os.path.join(load_dir, tag)
+    opt = scape_optimizer(engine)
+    if opt is not None and not os.path.isfile(_scape_file(tag_dir, opt.comm.rank)):
+        raise ValueError(f"--load {load_dir}: {tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "
+                         "(saved by another optimizer or data-parallel size)")
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise ValueError(f"--load {load_dir}: DeepSpeed found no model state in {tag}")
+    if opt is not None:
+        opt.load_state_dict(torch.load(_scape_file(tag_dir, opt.comm.rank), map_location="cpu", weights_only=False))
+    return tag, client_state or {}

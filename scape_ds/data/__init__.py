@@ -1,0 +1,18 @@
+"""The bundled corpus (World English Bible), the byte tokenizer and deterministic batches."""
+from .corpus import (
+    CORPUS_NAMES,
+    ByteTokenizer,
+    build_datasets,
+    get_batch,
+    load_corpus,
+    unigram_entropy,
+)
+
+__all__ = [
+    "CORPUS_NAMES",
+    "ByteTokenizer",
+    "build_datasets",
+    "get_batch",
+    "load_corpus",
+    "unigram_entropy",
+]

@@ -1,0 +1,165 @@
+"""``scape_ds.initialize``: ``deepspeed.initialize`` with the SCAPE optimizer and exchange (DESIGN.md section 2).
+
+Path A (ZeRO stage 0 or 1 in the config): DeepSpeed's engine runs forward, backward, gradient
+accumulation, the learning-rate scheduler, checkpoints and logging; its dense gradient all-reduce
+is switched off and :class:`~scape_ds.optim.ScapeAdamS` does the data-parallel exchange itself,
+sharding the optimizer state like ZeRO-1. So the engine is built at DeepSpeed stage 0 whether the
+config says 0 or 1 (stage 1's partitioning is what SCAPE does), and ``gradient_clipping`` moves to
+the optimizer, which computes the global norm of the *reduced* gradient across shards (DeepSpeed
+would clip each rank's local, unreduced gradient on this path).
+
+Steps of :func:`initialize`:
+  1. read the config (dict, path or ``args.deepspeed_config``), validate the ``"scape"`` block;
+  2. ``optimizer.type`` ``"ScapeAdamS"``: check the combination (stage, precision, offload), build
+     the optimizer as a callable DeepSpeed calls once ``torch.distributed`` is up, on the
+     data-parallel group (``mpu.get_data_parallel_group()`` when an mpu is given);
+     ``"AdamS"``: dense AdamS under DeepSpeed's own all-reduce; any other type: plain DeepSpeed;
+  3. call ``deepspeed.initialize`` with the remaining config and switch the dense all-reduce off.
+
+Unsupported combinations fail here with a one-line ``ValueError``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from .config import parse_scape_config
+from .optim import AdamS, ScapeAdamS
+
+__all__ = ["initialize", "read_ds_config", "scape_optimizer", "SCAPE_OPTIMIZERS"]
+
+SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
+_ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def read_ds_config(config: str | dict | None = None, args: Any = None) -> dict:
+    """The DeepSpeed config as a dict, from ``config`` (dict or JSON path) or ``args.deepspeed_config``.
+
+    Raises:
+        ValueError: no config, both given, a missing file or invalid JSON.
+    """
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ValueError("give the DeepSpeed config either as config= or as --deepspeed_config, not both")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("no DeepSpeed config: pass --deepspeed_config FILE or config=")
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if not os.path.isfile(config):
+        raise ValueError(f"DeepSpeed config file not found: {config}")
+    try:
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {config} is not valid JSON: {e}") from None
+
+
+def _optimizer_kwargs(params: dict, name: str) -> dict:
+    unknown = sorted(set(params) - set(_ADAMS_PARAMS))
+    if unknown:
+        raise ValueError(f"optimizer.params for {name}: unknown {unknown}; allowed: {list(_ADAMS_PARAMS)}")
+    kwargs = dict(params)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
+
+
+def _check_path_a(cfg: dict) -> int:
+    """Refuse what path A does not support; return the ZeRO stage of the config."""
+    zero = cfg.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    if stage == 2:
+        raise ValueError("ScapeAdamS does not run under ZeRO stage 2: use stage 0/1 (SCAPE shards the optimizer "
+                         "state itself) or stage 3 with the SCAPE stage-3 optimizer")
+    if stage == 3:
+        raise ValueError("ScapeAdamS under ZeRO stage 3 needs the SCAPE stage-3 optimizer, which this version does "
+                         "not ship yet: use zero_optimization.stage 0 or 1")
+    if stage not in (0, 1):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key) and (zero[key].get("device", "none") if isinstance(zero[key], dict) else zero[key]) != "none":
+            raise ValueError(f"zero_optimization.{key} is not supported with ScapeAdamS (its state lives with the exchange)")
+    if (cfg.get("fp16") or {}).get("enabled", False):
+        raise ValueError("fp16 with loss scaling is not supported with ScapeAdamS yet: use fp32 (bf16 is planned)")
+    if (cfg.get("bf16") or {}).get("enabled", False) or (cfg.get("bfloat16") or {}).get("enabled", False):
+        raise ValueError("bf16 is not supported by ScapeAdamS on the stage 0/1 path yet: use fp32")
+    if (cfg.get("torch_autocast") or {}).get("enabled", False):
+        raise ValueError("torch_autocast is not supported with ScapeAdamS yet: use fp32")
+    return stage
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, **kwargs):
+    """Like ``deepspeed.initialize``; builds SCAPE from ``optimizer.type`` and the ``"scape"`` block.
+
+    Args: as ``deepspeed.initialize`` (``config_params`` is the old name of ``config``).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them; for
+        SCAPE, ``optimizer`` is the :class:`ScapeAdamS` (also ``engine.optimizer``).
+
+    Raises:
+        ValueError: bad config, bad scape block, or an unsupported combination.
+    """
+    import deepspeed
+
+    if config is None:
+        config = config_params
+    cfg = read_ds_config(config, args)
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = None  # we pass the edited config dict instead
+    opt_block = cfg.get("optimizer") or {}
+    opt_type = opt_block.get("type")
+    if "scape" in cfg and opt_type != "ScapeAdamS":
+        raise ValueError(f"the config has a 'scape' block but optimizer.type is {opt_type!r}: use \"ScapeAdamS\"")
+    if opt_type not in SCAPE_OPTIMIZERS or optimizer is not None:
+        if optimizer is not None and opt_type in SCAPE_OPTIMIZERS:
+            raise ValueError(f"both an optimizer object and optimizer.type={opt_type!r} in the config: give one")
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                    dist_init_required=dist_init_required, collate_fn=collate_fn, config=cfg, **kwargs)
+    opt_kwargs = _optimizer_kwargs(opt_block.get("params", {}) or {}, opt_type)
+    ds_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scape")}
+    use_scape = opt_type == "ScapeAdamS"
+    if use_scape:
+        scape_cfg = parse_scape_config(cfg.get("scape"))
+        _check_path_a(cfg)
+        ds_cfg.pop("zero_optimization", None)  # stage 1 == SCAPE's own sharding; DeepSpeed runs stage 0
+        max_grad_norm = float(ds_cfg.pop("gradient_clipping", 0.0) or 0.0)
+
+        def build_optimizer(params):
+            group = mpu.get_data_parallel_group() if mpu is not None else None
+            from .comm import build_communicator
+
+            comm = build_communicator(scape_cfg.comm_backend, group)
+            return ScapeAdamS(params, **opt_kwargs, scape=scape_cfg, comm=comm, max_grad_norm=max_grad_norm)
+    else:
+        def build_optimizer(params):
+            return AdamS(params, **opt_kwargs)
+
+    if model_parameters is None and model is not None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, loader, sched = deepspeed.initialize(
+        args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+        collate_fn=collate_fn, config=ds_cfg, **kwargs)
+    if use_scape:
+        if not isinstance(engine.optimizer, ScapeAdamS):
+            raise RuntimeError(f"DeepSpeed wrapped ScapeAdamS in {type(engine.optimizer).__name__}; expected it bare")
+        engine.enable_backward_allreduce = False  # SCAPE's sparse exchange replaces the dense all-reduce
+    return engine, opt, loader, sched
+
+
+def scape_optimizer(engine) -> ScapeAdamS | None:
+    """The engine's :class:`ScapeAdamS`, or None when it runs another optimizer."""
+    opt = getattr(engine, "optimizer", None)
+    return opt if isinstance(opt, ScapeAdamS) else None
+
+
+def is_dense_adams(engine) -> bool:
+    """True when the engine runs the dense AdamS baseline."""
+    return isinstance(getattr(engine, "optimizer", None), AdamS)

@@ -1,0 +1,1 @@
+"""Mask selection, layout and index arithmetic of the sparse exchange (pure tensor functions)."""

@@ -1,0 +1,190 @@
+"""scape_ds.initialize on DeepSpeed's engine, 2 gloo ranks: dense equivalence, exact resume, killed saves."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .harness import run_ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ = 32
+
+
+def _config(name: str, **scape) -> dict:
+    with open(os.path.join(REPO, "ds_configs", name)) as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    if scape:
+        cfg["scape"].update(scape)
+    return cfg
+
+
+def _engine(cfg: dict):
+    import scape_ds
+    from scape_ds.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=SEQ, n_layer=1, n_head=2, n_embd=64))
+    engine, *_ = scape_ds.initialize(model=model, config=cfg)
+    return engine
+
+
+def _train(engine, data, start: int, stop: int) -> list[float]:
+    from scape_ds.data import get_batch
+
+    losses = []
+    gas = engine.gradient_accumulation_steps()
+    for step in range(start, stop):
+        total = torch.zeros(1, dtype=torch.float64)
+        for micro in range(gas):
+            x, y = get_batch(data, 4, SEQ, step * gas + micro, dist.get_rank(), dist.get_world_size(), 0)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        dist.all_reduce(total)
+        losses.append(float(total) / (gas * dist.get_world_size()))
+    return losses
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _set_env(rank):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+# ---------------------------------------------------------------- sparsity 0 == dense AdamS
+def _worker_dense_equivalence(rank, world_size, tmp_path, gas):
+    _set_env(rank)
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    results = {}
+    for name, cfg in (("scape", _config("scape.json", sparsity=0.0, chunk_size=256, dense_numel_threshold=1024)),
+                      ("dense", _config("dense_adams.json"))):
+        cfg["gradient_accumulation_steps"] = gas
+        engine = _engine(cfg)
+        results[name] = (_train(engine, train, 0, 10), _params(engine), engine.get_lr()[0])
+    (ls, ps, lr_s), (ld, pd, lr_d) = results["scape"], results["dense"]
+    return max(abs(a - b) for a, b in zip(ls, ld)), max(float((a - b).abs().max()) for a, b in zip(ps, pd)), lr_s, lr_d, ls
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_sparsity_zero_reproduces_dense_adams(tmp_path, gas):
+    results = run_ranks(_worker_dense_equivalence, 2, tmp_path, gas)
+    loss_diff, param_diff, lr_s, lr_d, losses = results[0]
+    assert loss_diff <= 1e-5, (loss_diff, losses)
+    assert param_diff <= 1e-5, param_diff
+    assert lr_s == lr_d > 0  # DeepSpeed's scheduler drives both alike
+    assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------- exact resume
+def _worker_resume(rank, world_size, tmp_path, mode, ckpt):
+    _set_env(rank)
+    from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape.json", sparsity=0.99, chunk_size=256, mask_refresh_interval=4,
+                             dense_numel_threshold=1024))
+    if mode == "straight":
+        _train(engine, train, 0, 20)
+    elif mode == "first_half":
+        _train(engine, train, 0, 10)
+        save_checkpoint(engine, ckpt, 10, dict(step=10))
+    else:
+        tag, client = load_checkpoint(engine, ckpt)
+        assert tag == "global_step10" and client["step"] == 10 and engine.global_steps == 10
+        _train(engine, train, 10, 20)
+    opt = engine.optimizer
+    return _params(engine), opt.error_feedback().clone(), opt.mask_offsets()
+
+
+def test_resume_is_exact_at_sparsity_099(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_ranks(_worker_resume, 2, tmp_path / "a", "straight", ckpt)
+    run_ranks(_worker_resume, 2, tmp_path / "b", "first_half", ckpt)
+    assert sorted(os.listdir(os.path.join(ckpt, "global_step10")))[-2:] == ["scape_dp_rank_00000.pt", "scape_dp_rank_00001.pt"]
+    resumed = run_ranks(_worker_resume, 2, tmp_path / "c", "second_half", ckpt)  # new processes, new group
+    for (pa, ea, ma), (pb, eb, mb) in zip(straight, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(pa, pb)), "parameters differ after resume"
+        assert torch.equal(ea, eb), "error feedback differs after resume"
+        assert torch.equal(ma, mb), "mask differs after resume"
+
+
+# ---------------------------------------------------------------- a save killed half way
+def _worker_killed_save(rank, world_size, tmp_path, ckpt):
+    _set_env(rank)
+    from scape_ds.checkpoint import save_checkpoint
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    _train(engine, train, 0, 3)
+    save_checkpoint(engine, ckpt, 3, dict(step=3))
+    torch.save(_params(engine), os.path.join(str(tmp_path), f"params_{rank}.pt"))
+    _train(engine, train, 3, 5)
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):  # the process dies half way through writing a file
+        real_save(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            size = os.path.getsize(f)
+            with open(f, "r+b") as fh:
+                fh.truncate(size // 2)
+        os._exit(17)
+
+    torch.save = dying_save
+    save_checkpoint(engine, ckpt, 5, dict(step=5))
+
+
+def _worker_load_after_kill(rank, world_size, tmp_path, ckpt, saved_dir):
+    _set_env(rank)
+    from scape_ds.checkpoint import load_checkpoint
+
+    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    tag, client = load_checkpoint(engine, ckpt)
+    saved = torch.load(os.path.join(saved_dir, f"params_{rank}.pt"))
+    return tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(mp.ProcessExitedException):
+        run_ranks(_worker_killed_save, 2, tmp_path / "a", ckpt)
+    assert os.path.isdir(os.path.join(ckpt, "global_step5"))  # the half-written one is there...
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "global_step3"  # ...but latest still names the complete one
+    results = run_ranks(_worker_load_after_kill, 2, tmp_path / "b", ckpt, str(tmp_path / "a"))
+    assert results == [("global_step3", 3, True)] * 2
+
+
+# ---------------------------------------------------------------- refused combinations
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(zero_optimization={"stage": 2}), "ZeRO stage 2"),
+    (lambda c: c.update(zero_optimization={"stage": 3}), "stage 3"),
+    (lambda c: c.update(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}), "offload_optimizer"),
+    (lambda c: c.update(fp16={"enabled": True}), "fp16"),
+    (lambda c: c["scape"].update(sparsityy=0.5), "scape.sparsityy: unknown field"),
+    (lambda c: c["optimizer"]["params"].update(momentum=0.9), "unknown ['momentum']"),
+    (lambda c: c["optimizer"].update(type="AdamW"), "'scape' block but optimizer.type is 'AdamW'"),
+])
+def test_unsupported_combinations_fail_at_initialize(edit, message):
+    import scape_ds
+
+    cfg = _config("scape.json")
+    edit(cfg)
+    with pytest.raises(ValueError, match=None) as err:
+        scape_ds.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+    assert message in str(err.value), str(err.value)
