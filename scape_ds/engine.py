@@ -129,7 +129,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         scape_cfg = parse_scape_config(cfg.get("scape"))
         _check_path_a(cfg)
         ds_cfg.pop("zero_optimization", None)  # stage 1 == SCAPE's own sharding; DeepSpeed runs stage 0
-        max_grad_norm = float(ds_cfg.pop("gradient_clipping", 0.0) or 0.0)
+        # DeepSpeed would clip each rank's local gradient (its default is 1.0, not off): the
+        # optimizer clips the reduced one instead, with the config's value or DeepSpeed's default
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+        max_grad_norm = float(ds_cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)
+        ds_cfg["gradient_clipping"] = 0.0
 
         def build_optimizer(params):
             group = mpu.get_data_parallel_group() if mpu is not None else None
