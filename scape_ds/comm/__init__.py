@@ -1,7 +1,7 @@
 """Communication backends for SCAPE's exchange: one interface, a byte meter, two implementations.
 
-``build_communicator(backend, group)`` picks one by the config's ``comm_backend``; mpi4py is
-imported only when ``"mpi"`` is asked for.
+``build_communicator(backend, group)`` picks one by the config's ``comm_backend``; the mpi4py
+backend (issue 6) is not in this version: ``"mpi"`` is refused with a clear error.
 """
 from __future__ import annotations
 
@@ -21,7 +21,5 @@ def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | No
     if backend == "torch":
         return TorchCommunicator(group, meter)
     if backend == "mpi":
-        from .mpi_comm import MPICommunicator  # imports mpi4py, with the install hint if missing
-
-        return MPICommunicator(group, meter)
+        raise ValueError("scape.comm_backend 'mpi' is not available in this version yet: use 'torch'")
     raise ValueError(f"comm_backend must be 'torch' or 'mpi', got {backend!r}")
