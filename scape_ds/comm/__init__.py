@@ -1,4 +1,4 @@
-"""Communication backends for SCAPE's exchange: one interface, a byte meter, two implementations.
+"""Communication backends for SCAPE's exchange: one interface, a byte meter, the torch.distributed implementation.
 
 ``build_communicator(backend, group)`` picks one by the config's ``comm_backend``; the mpi4py
 backend (issue 6) is not in this version: ``"mpi"`` is refused with a clear error.
