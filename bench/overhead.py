@@ -47,7 +47,6 @@ def _worker(rank, world, store_dir, args, out_path):
             model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
             runs[name] = (model, ScapeAdamS(model.parameters(), lr=1e-3, scape=scape))
         times = {n: dict(step=[], opt=[], dense_steps=0) for n in runs}
-        step = 0
         for block in range(args.steps // args.block):
             for name, (model, opt) in runs.items():
                 for i in range(args.block):
@@ -65,7 +64,6 @@ def _worker(rank, world, store_dir, args, out_path):
                         times[name]["step"].append(t2 - t0)
                         times[name]["opt"].append(t2 - t1)
                         times[name]["dense_steps"] += int(opt.comm_stats["dense_step"])
-            step += args.block
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(times, f)

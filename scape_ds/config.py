@@ -63,16 +63,9 @@ class ScapeConfig(BaseModel):
     log_comm: bool = True
     """Record per-step bytes sent vs dense (read them from ``optimizer.comm_stats``)."""
 
-    @field_validator("sparsity")
+    @field_validator("sparsity", "exploration")
     @classmethod
-    def _check_sparsity(cls, v: float) -> float:
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"must be in [0, 1), got {v}")
-        return v
-
-    @field_validator("exploration")
-    @classmethod
-    def _check_exploration(cls, v: float) -> float:
+    def _check_unit_interval(cls, v: float) -> float:
         if not 0.0 <= v < 1.0:
             raise ValueError(f"must be in [0, 1), got {v}")
         return v

@@ -163,8 +163,3 @@ def scape_optimizer(engine) -> ScapeAdamS | None:
     """The engine's :class:`ScapeAdamS`, or None when it runs another optimizer."""
     opt = getattr(engine, "optimizer", None)
     return opt if isinstance(opt, ScapeAdamS) else None
-
-
-def is_dense_adams(engine) -> bool:
-    """True when the engine runs the dense AdamS baseline."""
-    return isinstance(getattr(engine, "optimizer", None), AdamS)
