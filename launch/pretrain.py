@@ -213,6 +213,8 @@ def train(args, cfg: dict) -> dict:
         if args.save and args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 != args.train_iters:
             save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
     bar.close()
+    if opt is not None:
+        opt.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
     if args.save:
         save_checkpoint(engine, args.save, args.train_iters, dict(step=args.train_iters))
     summary = dict(steps=args.train_iters - start, final_loss=last_losses[-1] if last_losses else float("nan"),

@@ -314,6 +314,11 @@ class ScapeAdamS(Optimizer):
             total += collective_bytes("all_gather", gs.layout.shard_numel * b, D)
         return total
 
+    def synchronize(self) -> None:
+        """Wait for every mask all-gather still in flight; call before destroying the process group."""
+        for gs in self._groups or []:
+            self._wait_pending(gs)
+
     def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
         """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use."""
         self._lazy_init()

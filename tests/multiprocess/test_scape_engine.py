@@ -142,6 +142,7 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
         flat = _flat_params(model)
         copies = _gather(flat)
         mismatches += sum(not torch.equal(copies[0], c) for c in copies)
+    opt.synchronize()  # the last step may be a refresh: its mask all-gather is still in flight
     return mismatches, mask_checks
 
 
