@@ -5,6 +5,7 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the o
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/dense_adamw.json
     python launch/pretrain.py --deepspeed_config ds_configs/scape.json          # one rank
+    mpiexec -n 4 python launch/pretrain.py --deepspeed_config ds_configs/scape_mpi.json   # MPI launch
     deepspeed --hostfile hosts --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/scape.json
 
 Steps: parse and check every input (config, corpus, --load) before any process group exists, so
@@ -92,7 +93,9 @@ def init_distributed(timeout_s: float) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # under mpiexec DeepSpeed maps MPI's world onto torch.distributed (rank 0's address, this port)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False,
+                               distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
                                timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -1,15 +1,18 @@
 """Communication backends for SCAPE's exchange: one interface, a byte meter, the torch.distributed implementation.
 
-``build_communicator(backend, group)`` picks one by the config's ``comm_backend``; the mpi4py
-backend (issue 6) is not in this version: ``"mpi"`` is refused with a clear error.
+``build_communicator(backend, group)`` picks one by the config's ``comm_backend``: ``"torch"``
+(torch.distributed) or ``"mpi"`` (mpi4py, from the ``mpi`` extra; the job must be started by
+``mpiexec`` so that MPI's world and torch.distributed's world are the same processes).
 """
 from __future__ import annotations
 
 from .base import Communicator, Work
 from .meter import ByteMeter, collective_bytes
+from .mpi_comm import MPICommunicator, mpi_available
 from .torch_comm import TorchCommunicator
 
-__all__ = ["Communicator", "Work", "ByteMeter", "collective_bytes", "TorchCommunicator", "build_communicator"]
+__all__ = ["Communicator", "Work", "ByteMeter", "collective_bytes", "TorchCommunicator", "MPICommunicator",
+           "mpi_available", "build_communicator"]
 
 
 def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | None = None) -> Communicator:
@@ -21,5 +24,25 @@ def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | No
     if backend == "torch":
         return TorchCommunicator(group, meter)
     if backend == "mpi":
-        raise ValueError("scape.comm_backend 'mpi' is not available in this version yet: use 'torch'")
+        return MPICommunicator(_group_ranks(group), meter)
     raise ValueError(f"comm_backend must be 'torch' or 'mpi', got {backend!r}")
+
+
+def _group_ranks(group) -> list[int] | None:
+    """Global ranks of ``group`` (a list, a torch.distributed group, or None for the world), checked
+    against MPI's world when torch.distributed is also running."""
+    reason = mpi_available()
+    if reason:
+        raise ImportError(reason)
+    from mpi4py import MPI
+
+    import torch.distributed as dist
+
+    mpi_rank, mpi_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) != (mpi_rank, mpi_size):
+        raise ValueError(
+            f"comm_backend 'mpi': torch.distributed rank {dist.get_rank()} of {dist.get_world_size()} is MPI rank "
+            f"{mpi_rank} of {mpi_size}; start the job with mpiexec (mpiexec -n N python launch/pretrain.py ...)")
+    if group is None or isinstance(group, (list, tuple)):
+        return None if group is None else list(group)
+    return list(dist.get_process_group_ranks(group))

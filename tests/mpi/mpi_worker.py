@@ -1,0 +1,155 @@
+"""One MPI-launched test case, run as ``mpiexec -n N python tests/mpi/mpi_worker.py CASE``.
+
+Ranks come from MPI (``deepspeed.init_distributed(auto_mpi_discovery=True)`` maps MPI's world onto
+torch.distributed, gloo); SCAPE's exchange runs over mpi4py (``comm_backend "mpi"``) or
+torch.distributed (``"torch"``) in the same job. Rank 0 prints one line ``RESULT {json}``; any
+failed check raises, which makes mpiexec exit non-zero.
+
+Cases:
+  replicas   sparsity 0.99 (dense and sparse refresh), both backends: every rank holds bitwise
+             identical parameters after every step, and the MPI backend's byte count of every step
+             equals the torch backend's
+  dense      sparsity 0.0 over MPI equals dense data-parallel AdamS (fp64, 1e-10)
+  groups     two data-parallel groups of 2 (sub-communicators): replicas equal within a group
+  kill       rank 1 dies at step 3 (SIGKILL); the others must not hang: under mpiexec the launcher
+             ends the job, without it (BACKEND=torch, ranks from RANK/WORLD_SIZE) gloo's
+             timeout or its closed connection makes them raise
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from scape_ds.comm import build_communicator  # noqa: E402
+from scape_ds.optim import AdamS, ScapeAdamS  # noqa: E402
+from tests.multiprocess.models import loss_fn, make_batch, make_mlp  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+
+
+def _init() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=True, verbose=False,
+                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")),
+                               timeout=datetime.timedelta(seconds=60))
+    if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        assert (dist.get_rank(), dist.get_world_size()) == (WORLD.Get_rank(), WORLD.Get_size())
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _all_equal(t: torch.Tensor, comm=WORLD) -> bool:
+    copies = comm.allgather(t.numpy().tobytes())
+    return all(c == copies[0] for c in copies)
+
+
+def _train(backend: str, scape: dict, steps: int, dtype=torch.float32, group=None, check_comm=WORLD):
+    model = make_mlp(seed=3).to(dtype)
+    comm = build_communicator(backend, group)
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, comm=comm,
+                     scape=dict(chunk_size=256, dense_numel_threshold=1024, comm_backend=backend, **scape))
+    per_step, equal = [], []
+    rank = comm.rank
+    for step in range(steps):
+        x, y = (t.to(dtype) for t in make_batch(step, rank))
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        per_step.append(int(opt.comm_stats["bytes_sent"]))
+        equal.append(_all_equal(_flat(model), check_comm))
+    opt.synchronize()
+    return model, per_step, equal
+
+
+def case_replicas() -> dict:
+    out = {}
+    for name, scape in (("dense_refresh", dict(sparsity=0.99, mask_refresh_interval=4)),
+                        ("sparse_refresh", dict(sparsity=0.99, mask_refresh_interval=4, dense_refresh=False))):
+        _, bytes_mpi, eq_mpi = _train("mpi", scape, 12)
+        _, bytes_torch, eq_torch = _train("torch", scape, 12)
+        assert all(eq_mpi), f"{name}: MPI backend replicas differ at steps {[i for i, e in enumerate(eq_mpi) if not e]}"
+        assert all(eq_torch), f"{name}: torch backend replicas differ"
+        assert bytes_mpi == bytes_torch, (name, bytes_mpi, bytes_torch)
+        out[name] = dict(bytes_mpi=bytes_mpi, bytes_torch=bytes_torch, steps=len(eq_mpi))
+    return out
+
+
+def case_dense() -> dict:
+    model, _, equal = _train("mpi", dict(sparsity=0.0, mask_refresh_interval=5), 20, dtype=torch.float64)
+    ref = make_mlp(seed=3).to(torch.float64)
+    ref_opt = AdamS(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    D = WORLD.Get_size()
+    for step in range(20):
+        x, y = (t.to(torch.float64) for t in make_batch(step, WORLD.Get_rank()))
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(D)
+        ref_opt.step()
+    diff = float((_flat(model) - _flat(ref)).abs().max())
+    diffs = WORLD.allgather(diff)
+    assert all(equal) and max(diffs) <= 1e-10, (diffs, equal)
+    return dict(max_diff=max(diffs))
+
+
+def case_groups() -> dict:
+    r, D = WORLD.Get_rank(), WORLD.Get_size()
+    assert D % 2 == 0, "groups needs an even world"
+    # data-parallel groups {0, 2, ...} and {1, 3, ...}, as with tensor parallel size 2
+    groups = [list(range(i, D, 2)) for i in range(2)]
+    torch_groups = [dist.new_group(g) for g in groups]
+    mine = r % 2
+    sub = WORLD.Split(color=mine, key=r)
+    out = {}
+    for backend, group in (("mpi", groups[mine]), ("torch", torch_groups[mine])):
+        _, per_step, equal = _train(backend, dict(sparsity=0.99, mask_refresh_interval=4), 8, group=group, check_comm=sub)
+        assert all(equal), (backend, equal)
+        out[backend] = per_step
+    assert out["mpi"] == out["torch"], out
+    sub.Free()
+    return dict(groups=groups, bytes=out["mpi"])
+
+
+def case_kill() -> dict:
+    model = make_mlp(seed=3)
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, comm=build_communicator(os.environ.get("BACKEND", "mpi")),
+                     scape=dict(sparsity=0.99, chunk_size=256, dense_numel_threshold=1024, mask_refresh_interval=4))
+    rank = dist.get_rank()
+    for step in range(10):
+        if step == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = make_batch(step, rank)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    raise AssertionError("rank survived a dead peer for 10 steps")
+
+
+def main() -> None:
+    case = sys.argv[1]
+    _init()
+    result = globals()[f"case_{case}"]()
+    opt_done = WORLD.allgather(True)
+    assert all(opt_done)
+    if WORLD.Get_rank() == 0:
+        print("RESULT " + json.dumps(dict(case=case, world=WORLD.Get_size(), **result)), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Tests launched by ``mpiexec`` (MPICH from the ``mpi`` extra): the mpi4py backend and the torch
+backend under MPI launch on 2 and 4 ranks, ``launch/pretrain.py`` under mpiexec, and a killed rank."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = shutil.which("mpiexec", path=BIN) or shutil.which("mpiexec")
+WORKER = os.path.join(REPO, "tests", "mpi", "mpi_worker.py")
+
+pytestmark = [pytest.mark.timeout(420),
+              pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: install the mpi extra (pip install -e '.[mpi]')")]
+
+_port = [29700]
+
+
+def _env(**extra) -> dict:
+    _port[0] += 7
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""), MASTER_PORT=str(_port[0]))
+    env.update(extra)
+    return env
+
+
+def _mpirun(n: int, *args, timeout: float = 360, **env) -> subprocess.CompletedProcess:
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def _result(proc) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_replicas_identical_every_step_and_bytes_equal_torch_backend(n):
+    res = _result(_mpirun(n, WORKER, "replicas"))
+    assert res["world"] == n
+    for mode in ("dense_refresh", "sparse_refresh"):
+        assert res[mode]["steps"] == 12 and res[mode]["bytes_mpi"] == res[mode]["bytes_torch"]
+        # refresh steps (every 4th) move far more than sparse steps: the meter sees the schedule
+        b = res[mode]["bytes_mpi"]
+        assert b[0] > 10 * b[1]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_density_one_equals_dense_adams(n):
+    res = _result(_mpirun(n, WORKER, "dense"))
+    assert res["max_diff"] <= 1e-10
+
+
+def test_mpi_sub_communicators_follow_data_parallel_groups():
+    res = _result(_mpirun(4, WORKER, "groups"))
+    assert res["groups"] == [[0, 2], [1, 3]] and len(res["bytes"]) == 8
+
+
+def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
+    with open(os.path.join(REPO, "ds_configs", "scape_mpi.json")) as f:
+        assert json.load(f)["scape"]["comm_backend"] == "mpi"
+    metrics = tmp_path / "m.jsonl"
+    proc = _mpirun(2, "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_mpi.json", "--train-iters", "30",
+                   "--eval-interval", "30", "--log-interval", "10", "--metrics-out", str(metrics), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| 2 ranks |" in proc.stdout
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
+    assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])
+
+
+def test_mpi_backend_refuses_a_torch_world_that_is_not_mpis(tmp_path):
+    # two ranks started without mpiexec: MPI sees two singletons, torch.distributed one world of 2
+    code = ("import os,sys,datetime; sys.path.insert(0, %r); import torch.distributed as dist;"
+            "dist.init_process_group('gloo', init_method='file://%s', rank=int(os.environ['R']), world_size=2,"
+            " timeout=datetime.timedelta(seconds=60));"
+            "from scape_ds.comm import build_communicator\n"
+            "try:\n build_communicator('mpi')\nexcept ValueError as e:\n print('ERR', e)\n"
+            "dist.destroy_process_group()") % (REPO, tmp_path / "store")
+    env = _env()
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, R=str(r)), stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all("ERR comm_backend 'mpi'" in o and "mpiexec" in o for o in outs), outs
+
+
+def test_killed_rank_ends_mpi_job_instead_of_hanging():
+    t0 = time.monotonic()
+    proc = _mpirun(2, WORKER, "kill", timeout=180, BACKEND="mpi")
+    assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    assert time.monotonic() - t0 < 120
+
+
+def test_killed_rank_fails_torch_backend_peers_within_timeout(tmp_path):
+    # no MPI launcher here: the survivor must raise from gloo (peer gone or 60 s timeout), not hang
+    t0 = time.monotonic()
+    env = _env(BACKEND="torch", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")  # one port for both ranks
+    procs = [subprocess.Popen([sys.executable, WORKER, "kill"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=200)
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == -9
+    assert procs[0].returncode != 0, err0[-2000:]
+    assert time.monotonic() - t0 < 200
+    assert "RESULT" not in err0
