@@ -1,0 +1,211 @@
+"""Step time over shaped links: dense AdamW / AdamS vs SCAPE 0.9 / 0.99, inside launch/cluster.py.
+
+    sudo python bench/step_time.py                           # 2 and 4 nodes x 1 and 10 Gbit/s
+    sudo python bench/step_time.py --nodes 4 --rates 1gbit --steps 10
+
+For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
+node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four
+optimizer configs, one after another in the same processes: dense AdamW (DeepSpeed's all-reduce),
+dense AdamS (same exchange), SCAPE 0.9 and SCAPE 0.99 (T=100, dense refresh). Per row it reports
+the median step time over the steps after warm-up (forward, backward, exchange, update), the
+bytes each rank sent per step (the byte meter; dense rows: one ring all-reduce of the fp32
+gradient), the speedup vs dense AdamW, and the floor: compute time (forward + backward +
+optimizer without any exchange, measured in the same run) plus bytes / link rate. The model is
+wide and shallow with a small batch, so that at 1 Gbit/s the dense exchange dominates the step,
+as it does for LLMs on real clusters. Timed SCAPE steps are sparse steps (the refresh is step 0,
+in the warm-up); with dense refresh every T steps, a refresh costs about one dense step.
+Writes ``bench/step_time_results.json`` and ``bench/step_time.png`` (step time vs bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "launch"))
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "steps_per_print": 10**9}
+OPT = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+ROWS = {
+    "dense AdamW": {"optimizer": {"type": "AdamW", "params": {**OPT, "torch_adam": True}}},
+    "dense AdamS": {"optimizer": {"type": "AdamS", "params": OPT}},
+    "SCAPE 0.9": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                  "scape": {"sparsity": 0.9, "mask_refresh_interval": 100}},
+    "SCAPE 0.99": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                   "scape": {"sparsity": 0.99, "mask_refresh_interval": 100}},
+}
+
+
+def worker(args) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import scape_ds
+    from scape_ds.data import build_datasets, get_batch
+    from scape_ds.engine import scape_optimizer
+    from scape_ds.optim import AdamS
+    from scape_ds.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               distributed_port=int(os.environ["MASTER_PORT"]), timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, _ = build_datasets()
+    shape = dict(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    bs = BASE["train_micro_batch_size_per_gpu"]
+
+    def batch(s):
+        return get_batch(train, bs, args.seq_len, s, rank, world, 0)
+
+    # compute floor: the same model, forward + backward + a local AdamS step, no exchange
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape))
+    local = AdamS(model.parameters(), lr=1e-3)
+    compute = []
+    for s in range(args.warmup + args.steps):
+        x, y = batch(s)
+        t0 = time.perf_counter()
+        local.zero_grad()
+        model(x, y)[1].backward()
+        local.step()
+        if s >= args.warmup:
+            compute.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in model.parameters())
+    results = dict(compute_s=statistics.median(compute), n_params=n_params, rows={})
+    for name, extra in ROWS.items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**shape))
+        engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
+        opt = scape_optimizer(engine)
+        dense_bytes = 2 * (world - 1) * 4 * n_params // world
+        times, sent = [], []
+        for s in range(args.warmup + args.steps):
+            x, y = batch(s)
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            dt = time.perf_counter() - t0
+            if s >= args.warmup:
+                times.append(dt)
+                sent.append(int(opt.comm_stats["bytes_sent"]) if opt else dense_bytes)
+        if opt is not None:
+            opt.synchronize()
+        results["rows"][name] = dict(step_s=statistics.median(times), bytes=statistics.median(sent),
+                                     dense_bytes=dense_bytes)
+        del engine, opt, model
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_setting(nodes: int, rate: str, args, port: int) -> dict:
+    from cluster import Cluster, parse_rate_bits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+               "--n-head", str(args.n_head), "--seq-len", str(args.seq_len)]
+        with Cluster(nodes, rate, args.delay, master_port=port) as c:
+            codes = c.wait(c.launch(cmd, env=dict(DS_ACCELERATOR="cpu"), stderr=None if args.verbose else subprocess.DEVNULL), timeout=1800)
+            delay_applied = c.delay_applied
+        if codes != [0] * nodes:
+            raise RuntimeError(f"{nodes} nodes at {rate}: ranks exited {codes}")
+        with open(out) as f:
+            res = json.load(f)
+    res.update(nodes=nodes, rate=rate, rate_bits=parse_rate_bits(rate), delay=args.delay, delay_applied=delay_applied)
+    return res
+
+
+def report(all_res: list[dict]) -> str:
+    lines = ["| nodes | link | row | step ms | MB sent/step | speedup vs dense AdamW | floor ms | step / floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in all_res:
+        ref = res["rows"]["dense AdamW"]["step_s"]
+        for name, r in res["rows"].items():
+            floor = res["compute_s"] + r["bytes"] * 8 / res["rate_bits"]
+            lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | "
+                         f"{ref / r['step_s']:.2f}x | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(all_res: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for nodes in sorted({r["nodes"] for r in all_res}):
+        sub = sorted((r for r in all_res if r["nodes"] == nodes), key=lambda r: r["rate_bits"])
+        for name in ROWS:
+            ax.plot([r["rate_bits"] / 1e9 for r in sub], [r["rows"][name]["step_s"] * 1e3 for r in sub],
+                    marker="o", linestyle="-" if nodes == 2 else "--", label=f"{name}, {nodes} nodes")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link bandwidth (Gbit/s, tc tbf)")
+    ax.set_ylabel("median step time (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--rates", default="1gbit,10gbit")
+    ap.add_argument("--delay", default="0.5ms")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
+    ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    from cluster import need_root
+
+    reason = need_root()
+    if reason:
+        print(f"step_time.py: error: {reason}", file=sys.stderr)
+        return 2
+    all_res, port = [], 29800
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        for rate in args.rates.split(","):
+            port += 3
+            print(f"-- {nodes} nodes, {rate} ...", flush=True)
+            all_res.append(run_setting(nodes, rate, args, port))
+            print(report(all_res[-1:]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(all_res, f, indent=1)
+    print(report(all_res))
+    png = os.path.join(os.path.dirname(args.out), "step_time.png")
+    plot(all_res, png)
+    print(f"compute (no exchange) per step: " + ", ".join(f"{r['nodes']} nodes {r['rate']}: {r['compute_s'] * 1e3:.0f} ms"
+                                                         for r in all_res))
+    print(f"results: {args.out}, plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
