@@ -22,8 +22,6 @@ learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3).
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
 import importlib.util
 import json
 import os
@@ -71,7 +69,6 @@ def make_config(name: str, train_iters: int, micro_batch: int, warmup: int) -> d
     _, base, overrides, *opt_overrides = RUNS[name]
     with open(os.path.join(REPO, "ds_configs", base), encoding="utf-8") as f:
         cfg = json.load(f)
-    cfg = copy.deepcopy(cfg)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = 1
     cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {

@@ -51,6 +51,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import scape_ds
+    from scape_ds.comm import collective_bytes
     from scape_ds.data import build_datasets, get_batch
     from scape_ds.engine import scape_optimizer
     from scape_ds.models import GPT, GPTConfig
@@ -85,7 +86,7 @@ def worker(args) -> None:
         model = GPT(GPTConfig(**shape))
         engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
         opt = scape_optimizer(engine)
-        dense_bytes = 2 * (world - 1) * 4 * n_params // world
+        dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
         times, sent = [], []
         for s in range(args.warmup + args.steps):
             x, y = batch(s)

@@ -14,6 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from scape_ds.comm import collective_bytes  # noqa: E402
+
 
 def main() -> None:
     mb = float(sys.argv[1]) if len(sys.argv) > 1 else 32.0
@@ -29,7 +32,7 @@ def main() -> None:
         dist.all_reduce(t)
         best = min(best, time.perf_counter() - t0)
     assert float(t[0]) == D ** (repeats + 1)
-    sent = 2 * (D - 1) * t.numel() * 4 // D
+    sent = collective_bytes("all_reduce", t.numel() * t.element_size(), D)
     if dist.get_rank() == 0:
         print("BW " + json.dumps(dict(world=D, bytes_sent=sent, seconds=best, bits_per_s=sent * 8 / best,
                                       node=os.environ.get("SCAPE_CLUSTER_NODE"))), flush=True)

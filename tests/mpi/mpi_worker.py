@@ -33,7 +33,8 @@ from mpi4py import MPI  # noqa: E402
 
 from scape_ds.comm import build_communicator  # noqa: E402
 from scape_ds.optim import AdamS, ScapeAdamS  # noqa: E402
-from tests.multiprocess.models import loss_fn, make_batch, make_mlp  # noqa: E402
+from tests.multiprocess.models import (dense_adams_reference_step, flat_params, loss_fn, make_batch,  # noqa: E402
+                                      make_mlp)
 
 WORLD = MPI.COMM_WORLD
 
@@ -46,10 +47,6 @@ def _init() -> None:
                                timeout=datetime.timedelta(seconds=60))
     if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         assert (dist.get_rank(), dist.get_world_size()) == (WORLD.Get_rank(), WORLD.Get_size())
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def _all_equal(t: torch.Tensor, comm=WORLD) -> bool:
@@ -70,7 +67,7 @@ def _train(backend: str, scape: dict, steps: int, dtype=torch.float32, group=Non
         loss_fn(model, x, y).backward()
         opt.step()
         per_step.append(int(opt.comm_stats["bytes_sent"]))
-        equal.append(_all_equal(_flat(model), check_comm))
+        equal.append(_all_equal(flat_params(model), check_comm))
     opt.synchronize()
     return model, per_step, equal
 
@@ -95,13 +92,8 @@ def case_dense() -> dict:
     D = WORLD.Get_size()
     for step in range(20):
         x, y = (t.to(torch.float64) for t in make_batch(step, WORLD.Get_rank()))
-        ref_opt.zero_grad()
-        loss_fn(ref, x, y).backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad)
-            p.grad.div_(D)
-        ref_opt.step()
-    diff = float((_flat(model) - _flat(ref)).abs().max())
+        dense_adams_reference_step(ref, ref_opt, x, y, D)
+    diff = float((flat_params(model) - flat_params(ref)).abs().max())
     diffs = WORLD.allgather(diff)
     assert all(equal) and max(diffs) <= 1e-10, (diffs, equal)
     return dict(max_diff=max(diffs))

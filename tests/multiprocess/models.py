@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -25,3 +26,19 @@ def make_batch(step: int, rank: int, width: int = 64, batch: int = 8, seed: int 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter of ``model``, flattened into one tensor (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def dense_adams_reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                               world_size: int) -> None:
+    """One step of dense data-parallel training: the mean gradient by all-reduce, then ``opt``."""
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(world_size)
+    opt.step()

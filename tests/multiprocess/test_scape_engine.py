@@ -10,7 +10,7 @@ from scape_ds.exchange.masks import offsets_to_index
 from scape_ds.optim import AdamS, ScapeAdamS
 
 from .harness import run_ranks
-from .models import loss_fn, make_batch, make_mlp
+from .models import dense_adams_reference_step, flat_params, loss_fn, make_batch, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,10 +26,6 @@ class RecordingCommunicator(TorchCommunicator):
         if tag == "grad_rs":
             self.sent_grads.append(inp.detach().clone())
         super().reduce_scatter(out, inp, tag)
-
-
-def _flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -54,13 +50,8 @@ def _worker_density_one(rank, world_size, tmp_path, steps, dtype):
         loss_fn(model, x, y).backward()
         opt.step()
         # reference: dense data-parallel AdamS (the mean gradient by all-reduce, then AdamS)
-        ref_opt.zero_grad()
-        loss_fn(ref, x, y).backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad)
-            p.grad.div_(world_size)
-        ref_opt.step()
-        max_diff = max(max_diff, float((_flat_params(model) - _flat_params(ref)).abs().max()))
+        dense_adams_reference_step(ref, ref_opt, x, y, world_size)
+        max_diff = max(max_diff, float((flat_params(model) - flat_params(ref)).abs().max()))
     return max_diff
 
 
@@ -139,7 +130,7 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
         opt.step()
         if opt._is_refresh(opt.step_count):
             selected_prev = opt.last_selected_offsets
-        flat = _flat_params(model)
+        flat = flat_params(model)
         copies = _gather(flat)
         mismatches += sum(not torch.equal(copies[0], c) for c in copies)
     opt.synchronize()  # the last step may be a refresh: its mask all-gather is still in flight
