@@ -6,6 +6,10 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the o
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/dense_adamw.json
     python launch/pretrain.py --deepspeed_config ds_configs/scape.json          # one rank
     mpiexec -n 4 python launch/pretrain.py --deepspeed_config ds_configs/scape_mpi.json   # MPI launch
+    deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
+        --tensor-model-parallel-size 2            # TP2 x DP2, megatron-core layers, SCAPE over DP
+    deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
+        --pipeline-model-parallel-size 2          # PP2 x DP2, DeepSpeed's PipelineEngine
     deepspeed --hostfile hosts --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/scape.json
 
 Steps: parse and check every input (config, corpus, --load) before any process group exists, so
@@ -29,6 +33,7 @@ if _REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, _REPO)
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (megatron-core layers)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size (DeepSpeed PipelineEngine)")
+    p.add_argument("--model", choices=("auto", "gpt", "megatron"), default="auto",
+                   help="gpt: scape_ds.models.GPT; megatron: megatron-core tensor_parallel layers; "
+                        "auto: megatron when TP or PP > 1")
     p.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     return p
@@ -70,6 +80,19 @@ def check_inputs(args) -> dict:
     cfg = read_ds_config(args.deepspeed_config)
     if "scape" in cfg:
         parse_scape_config(cfg["scape"])
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.model == "gpt" and tp * pp > 1:
+        raise ValueError("--model gpt has no tensor or pipeline parallelism: use --model megatron (or auto)")
+    if tp * pp > 1 or args.model == "megatron":
+        from scape_ds.megatron import check_topology
+
+        world = int(next((os.environ[v] for v in ("WORLD_SIZE",) + _MPI_SIZE_VARS if v in os.environ), 1))
+        stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+        check_topology(world, tp, pp, stage)
+        if args.n_head % tp != 0:
+            raise ValueError(f"--n-head {args.n_head} must be divisible by --tensor-model-parallel-size {tp}")
+        if pp > 1 and args.n_layer < pp:
+            raise ValueError(f"--n-layer {args.n_layer} must be >= --pipeline-model-parallel-size {pp}")
     if "train_micro_batch_size_per_gpu" not in cfg:
         raise ValueError(f"{args.deepspeed_config}: set train_micro_batch_size_per_gpu")
     load_corpus(args.corpus)
@@ -107,8 +130,8 @@ def dense_bytes_for(model, world_size: int) -> int:
     return collective_bytes("all_reduce", n, world_size)
 
 
-def evaluate(engine, val, args, micro_bs, dp_rank, dp_size, device) -> float:
-    """Mean validation loss over --eval-iters fixed batches per rank, averaged over ranks."""
+def evaluate(engine, val, args, micro_bs, dp_rank, dp_size, device, dp_group=None, pipeline=False) -> float:
+    """Mean validation loss over --eval-iters fixed batches per rank, averaged over data-parallel ranks."""
     import torch
     import torch.distributed as dist
 
@@ -119,11 +142,52 @@ def evaluate(engine, val, args, micro_bs, dp_rank, dp_size, device) -> float:
     with torch.no_grad():
         for i in range(args.eval_iters):
             x, y = get_batch(val, micro_bs, args.seq_len, i, dp_rank, dp_size, args.seed + 7919)
-            _, loss = engine(x.to(device), y.to(device))
+            if pipeline:  # the loss of the last stage, sent to every stage
+                loss = engine.eval_batch(iter([(x.to(device), y.to(device))]), num_micro_batches=1)
+            else:
+                _, loss = engine(x.to(device), y.to(device))
             total += float(loss)
     engine.train()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=dp_group)
     return float(total) / (args.eval_iters * dp_size)
+
+
+def build_engine(args, cfg: dict, device):
+    """The model and its engine: scape_ds.models.GPT, or megatron-core layers over TP/PP/DP groups.
+
+    Returns ``(engine, model, dp_rank, dp_size, dp_group, pipeline)``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import scape_ds
+    from scape_ds.models import GPT, GPTConfig
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    gcfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    if args.model == "gpt" or (args.model == "auto" and tp * pp == 1):
+        torch.manual_seed(args.seed)
+        model = GPT(gcfg).to(device)
+        engine, _, _, _ = scape_ds.initialize(model=model, config=cfg)
+        return engine, model, dist.get_rank(), dist.get_world_size(), None, False
+    from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
+
+    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    mpu = init_model_parallel(tp, pp, stage)
+    dp_rank, dp_size, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group()
+    if pp > 1:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        model = build_pipeline_gpt(gcfg, PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp_size),
+                                   seed=args.seed)
+        model_parallel_seed(args.seed)
+        engine, _, _, _ = scape_ds.initialize(model=model, config=cfg)  # the PipelineModule brings its grid
+    else:
+        torch.manual_seed(args.seed)
+        model = MegatronGPT(gcfg).to(device)
+        model_parallel_seed(args.seed)
+        engine, _, _, _ = scape_ds.initialize(model=model, config=cfg, mpu=mpu)
+    return engine, model, dp_rank, dp_size, dp_group, pp > 1
 
 
 def train(args, cfg: dict) -> dict:
@@ -131,23 +195,18 @@ def train(args, cfg: dict) -> dict:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    import scape_ds
     from scape_ds.checkpoint import load_checkpoint, save_checkpoint
     from scape_ds.data import build_datasets, get_batch, unigram_entropy
     from scape_ds.engine import scape_optimizer
-    from scape_ds.models import GPT, GPTConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     device = torch.device(f"cuda:{args.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
     train_data, val_data = build_datasets(args.val_fraction, name=args.corpus)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                          n_embd=args.n_embd)).to(device)
-    engine, _, _, _ = scape_ds.initialize(model=model, config=cfg)
+    engine, model, dp_rank, dp_size, dp_group, pipeline = build_engine(args, cfg, device)
     opt = scape_optimizer(engine)
     micro_bs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    dp_rank, dp_size = rank, world
     dense_bytes = dense_bytes_for(model, dp_size)
     start = 0
     if args.load:
@@ -160,7 +219,9 @@ def train(args, cfg: dict) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
             else type(engine.optimizer).__name__
-        print(f"GPT {n_params/1e6:.2f}M params | {world} ranks | {kind} | {tokens_per_step} tokens/step | "
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if tp * pp > 1 or args.model == 'megatron' else 'GPT'})"
+        print(f"GPT {n_params/1e6:.2f}M params on rank 0 | {world} ranks: {layout} | {kind} | {tokens_per_step} tokens/step | "
               f"corpus {train_data.numel()/1e6:.1f}M train / {val_data.numel()/1e6:.2f}M val bytes, "
               f"unigram entropy {unigram_entropy(train_data):.3f} nats", flush=True)
     metrics_f = open(args.metrics_out, "a" if args.load else "w", encoding="utf-8") if is_main and args.metrics_out else None
@@ -177,16 +238,21 @@ def train(args, cfg: dict) -> dict:
     for step in range(start, args.train_iters):
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for micro in range(gas):
-            x, y = get_batch(train_data, micro_bs, args.seq_len, step * gas + micro, dp_rank, dp_size, args.seed)
-            _, loss = engine(x.to(device), y.to(device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += float(loss.detach())
+        if pipeline:  # the PipelineEngine runs all gas micro-batches; it returns their mean over DP
+            batches = [get_batch(train_data, micro_bs, args.seq_len, step * gas + m, dp_rank, dp_size, args.seed)
+                       for m in range(gas)]
+            mean_loss = float(engine.train_batch(data_iter=iter([(x.to(device), y.to(device)) for x, y in batches])))
+        else:
+            loss_sum = torch.zeros(1, dtype=torch.float64)
+            for micro in range(gas):
+                x, y = get_batch(train_data, micro_bs, args.seq_len, step * gas + micro, dp_rank, dp_size, args.seed)
+                _, loss = engine(x.to(device), y.to(device))
+                engine.backward(loss)
+                engine.step()
+                loss_sum += float(loss.detach())
+            dist.all_reduce(loss_sum, group=dp_group)  # logging only: the mean over ranks and micro-batches
+            mean_loss = float(loss_sum) / (gas * dp_size)
         step_time = time.perf_counter() - t0
-        dist.all_reduce(loss_sum)  # logging only: the mean over ranks and micro-batches
-        mean_loss = float(loss_sum) / (gas * dp_size)
         if opt is not None:
             sent, dense = int(opt.comm_stats["bytes_sent"]), int(opt.comm_stats["bytes_dense"])
         else:
@@ -196,7 +262,7 @@ def train(args, cfg: dict) -> dict:
         record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent, bytes_dense=dense,
                       tokens_per_s=tokens_per_step / step_time)
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.train_iters:
-            val_loss = evaluate(engine, val_data, args, micro_bs, dp_rank, dp_size, device)
+            val_loss = evaluate(engine, val_data, args, micro_bs, dp_rank, dp_size, device, dp_group, pipeline)
             record["val_loss"] = val_loss
         (first_losses if len(first_losses) < 5 else last_losses).append(mean_loss)
         last_losses = last_losses[-5:]

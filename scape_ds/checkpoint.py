@@ -5,7 +5,9 @@ Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
     latest                           the tag of the newest complete checkpoint, written last
     global_step<N>/                  DeepSpeed's model, scheduler and client state files
     global_step<N>/scape_dp_rank_<r>.pt   rank r's ScapeAdamS state: master weights, momentum,
-                                     error feedback, masks, step counters
+                                     error feedback, masks, step counters (with tensor or pipeline
+                                     parallelism several ranks share a data-parallel rank:
+                                     scape_dp_rank_<r>_global_rank_<g>.pt)
 
 Steps of :func:`save_checkpoint`: (1) DeepSpeed writes its files into the tag directory without
 touching ``latest``; (2) every rank writes its SCAPE state to a temporary file and renames it into
@@ -27,8 +29,11 @@ __all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag"]
 LATEST = "latest"
 
 
-def _scape_file(tag_dir: str, rank: int) -> str:
-    return os.path.join(tag_dir, f"scape_dp_rank_{rank:05d}.pt")
+def _scape_file(tag_dir: str, opt) -> str:
+    name = f"scape_dp_rank_{opt.comm.rank:05d}"
+    if dist.is_initialized() and dist.get_world_size() > opt.comm.world_size:  # model parallel: one file per rank
+        name += f"_global_rank_{dist.get_rank():05d}"
+    return os.path.join(tag_dir, name + ".pt")
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -56,7 +61,7 @@ def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None 
     opt = scape_optimizer(engine)
     if opt is not None:
         os.makedirs(tag_dir, exist_ok=True)
-        _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt.comm.rank))
+        _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -97,7 +102,7 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
     opt = scape_optimizer(engine)
-    if opt is not None and not os.path.isfile(_scape_file(tag_dir, opt.comm.rank)):
+    if opt is not None and not os.path.isfile(_scape_file(tag_dir, opt)):
         raise ValueError(f"--load {load_dir}: {tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "
                          "(saved by another optimizer or data-parallel size)")
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
@@ -105,5 +110,5 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if path is None:
         raise ValueError(f"--load {load_dir}: DeepSpeed found no model state in {tag}")
     if opt is not None:
-        opt.load_state_dict(torch.load(_scape_file(tag_dir, opt.comm.rank), map_location="cpu", weights_only=False))
+        opt.load_state_dict(torch.load(_scape_file(tag_dir, opt), map_location="cpu", weights_only=False))
     return tag, client_state or {}

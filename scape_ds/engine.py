@@ -137,17 +137,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         ds_cfg["gradient_clipping"] = 0.0
 
         def build_optimizer(params):
-            group = mpu.get_data_parallel_group() if mpu is not None else None
+            # a PipelineModule brings its own grid (DeepSpeed uses it as the mpu)
+            grid = mpu if mpu is not None else (model.mpu() if _is_pipeline(model) else None)
+            group = grid.get_data_parallel_group() if grid is not None else None
+            norm_group = None
+            if grid is not None:
+                norm_group = grid.get_norm_group() if hasattr(grid, "get_norm_group") else grid.get_model_parallel_group()
             from .comm import build_communicator
 
             comm = build_communicator(scape_cfg.comm_backend, group)
-            return ScapeAdamS(params, **opt_kwargs, scape=scape_cfg, comm=comm, max_grad_norm=max_grad_norm)
+            return ScapeAdamS(params, **opt_kwargs, scape=scape_cfg, comm=comm, max_grad_norm=max_grad_norm,
+                              norm_group=norm_group)
     else:
         def build_optimizer(params):
             return AdamS(params, **opt_kwargs)
 
     if model_parameters is None and model is not None:
-        model_parameters = [p for p in model.parameters() if p.requires_grad]
+        model_parameters = _param_groups(model) if use_scape else [p for p in model.parameters() if p.requires_grad]
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
@@ -156,7 +162,27 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if not isinstance(engine.optimizer, ScapeAdamS):
             raise RuntimeError(f"DeepSpeed wrapped ScapeAdamS in {type(engine.optimizer).__name__}; expected it bare")
         engine.enable_backward_allreduce = False  # SCAPE's sparse exchange replaces the dense all-reduce
+        if hasattr(engine, "pipeline_enable_backward_allreduce"):
+            engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
     return engine, opt, loader, sched
+
+
+def _param_groups(model) -> list:
+    """One param group per ``scape_group`` mark (model-parallel replicas of a tensor: TP-replicated,
+    pipeline-tied), the unmarked parameters first: a group's SCAPE state is then identical on every
+    rank holding a copy, so the copies stay equal."""
+    groups: dict[str | None, list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault(getattr(p, "scape_group", None), []).append(p)
+    ordered = sorted(groups.items(), key=lambda kv: "" if kv[0] is None else kv[0])
+    return [{"params": ps} for _, ps in ordered]
+
+
+def _is_pipeline(model) -> bool:
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
 
 
 def scape_optimizer(engine) -> ScapeAdamS | None:

@@ -15,8 +15,10 @@ __all__ = ["FlatLayout", "split_dense_sparse"]
 
 
 def split_dense_sparse(params: list[torch.Tensor], dense_numel_threshold: int) -> tuple[list, list]:
-    """Split into (sparse, dense): 1-D tensors and tensors below the threshold are dense."""
-    sparse = [p for p in params if p.dim() >= 2 and p.numel() >= dense_numel_threshold]
+    """Split into (sparse, dense): 1-D tensors, tensors below the threshold and tensors marked
+    ``scape_dense`` are dense."""
+    sparse = [p for p in params if p.dim() >= 2 and p.numel() >= dense_numel_threshold
+              and not getattr(p, "scape_dense", False)]
     ids = {id(p) for p in sparse}
     return sparse, [p for p in params if id(p) not in ids]
 

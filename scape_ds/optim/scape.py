@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm import Communicator, build_communicator, collective_bytes
@@ -59,6 +60,7 @@ class _GroupState:
     active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
     pending: tuple[Any, torch.Tensor] | None = None  # (work, (D*L,) uint8 encoded masks) in flight
     decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
+    norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
 
 
 class ScapeAdamS(Optimizer):
@@ -71,6 +73,10 @@ class ScapeAdamS(Optimizer):
         comm: the data-parallel :class:`Communicator` (default: ``scape.comm_backend`` over the
             default process group).
         max_grad_norm: clip the global norm of the reduced gradient to this (0: off).
+        norm_group: the torch.distributed group of the other model-parallel ranks of this replica
+            (tensor x pipeline parallel), over which the squared norm is summed; parameters marked
+            ``scape_norm_skip`` (copies replicated across those ranks) are counted on one rank only;
+            the sparse-exchanged parameters of one param group must agree on that mark.
 
     Raises:
         ValueError: bad hyperparameter or scape setting.
@@ -88,6 +94,7 @@ class ScapeAdamS(Optimizer):
         scape: ScapeConfig | dict | None = None,
         comm: Communicator | None = None,
         max_grad_norm: float = 0.0,
+        norm_group=None,
     ):
         betas = tuple(betas)
         check_adams_hyperparameters(lr, betas, eps, weight_decay)
@@ -98,6 +105,7 @@ class ScapeAdamS(Optimizer):
         self.cfg = parse_scape_config(scape)
         self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
         self.max_grad_norm = float(max_grad_norm)
+        self.norm_group = norm_group
         # internal state, built on the first step (after an engine has moved and cast the model)
         self._groups: list[_GroupState] | None = None
         self._step = 0
@@ -117,6 +125,11 @@ class ScapeAdamS(Optimizer):
             sparse, dense = split_dense_sparse(list(group["params"]), self.cfg.dense_numel_threshold)
             layout = FlatLayout.build(sparse, D, self.cfg.chunk_size)
             gs = _GroupState(layout, sparse, dense, None, None, None, None, None)
+            skips = {bool(getattr(p, "scape_norm_skip", False)) for p in sparse}
+            if len(skips) > 1:
+                raise ValueError("a param group mixes parameters marked scape_norm_skip with unmarked ones: "
+                                 "put model-parallel replicas in a param group of their own")
+            gs.norm_skip = skips.pop() if skips else False
             if sparse:
                 dtypes = {p.dtype for p in sparse}
                 devices = {p.device for p in sparse}
@@ -217,12 +230,19 @@ class ScapeAdamS(Optimizer):
             return 1.0
         sharded = torch.zeros(1, dtype=torch.float64)
         replicated = 0.0
-        for sparse_g, dense_g in reduced:
-            if sparse_g is not None:
+        for gs, (sparse_g, dense_g) in zip(self._groups, reduced):
+            if sparse_g is not None and not gs.norm_skip:
                 sharded += sparse_g.double().square().sum().cpu()
             if dense_g is not None:
-                replicated += float(dense_g.double().square().sum())
+                sizes = [p.numel() for p in gs.dense_params]
+                for p, g in zip(gs.dense_params, torch.split(dense_g, sizes)):
+                    if not getattr(p, "scape_norm_skip", False):
+                        replicated += float(g.double().square().sum())
         self.comm.all_reduce(sharded, "norm_ar")
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            total = torch.tensor([float(sharded) + replicated], dtype=torch.float64)
+            dist.all_reduce(total, group=self.norm_group)  # model-parallel, not data-parallel, traffic
+            sharded, replicated = total, 0.0
         norm = math.sqrt(float(sharded) + replicated)
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6))

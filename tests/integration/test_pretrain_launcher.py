@@ -81,3 +81,58 @@ def test_load_of_non_checkpoint_is_one_line_error(tmp_path):
     (tmp_path / "notackpt" / "weights.bin").write_bytes(b"\0" * 16)
     proc = _run_single(["--deepspeed_config", "ds_configs/scape.json", "--load", str(tmp_path / "notackpt")])
     _one_line_error(proc, "not a checkpoint directory", "notackpt")
+
+
+def _launch(n, port, *args):
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(n), "--master_port", str(port), "launch/pretrain.py",
+           "--deepspeed_config", "ds_configs/scape_megatron.json", "--no-progress", "--log-interval", "5", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_launcher_tp2_and_pp2_with_resume(tmp_path):
+    """TP2 x DP2 and PP2 x DP2 on 4 CPU ranks through the launcher; PP2 saves, resumes and goes on."""
+    metrics = tmp_path / "tp2.jsonl"
+    proc = _launch(4, 29741, "--tensor-model-parallel-size", "2", "--train-iters", "20", "--eval-interval", "20",
+                   "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TP2 x PP1 x DP2 (megatron-core)" in proc.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] and "val_loss" in rows[-1]
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "pp2.jsonl"
+    proc = _launch(4, 29742, "--pipeline-model-parallel-size", "2", "--train-iters", "10", "--save", str(ckpt),
+                   "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TP1 x PP2 x DP2 (megatron-core)" in proc.stdout
+    names = os.listdir(ckpt / "global_step10")
+    assert sum(n.startswith("scape_dp_rank_") for n in names) == 4, names  # one SCAPE state per rank
+    proc = _launch(4, 29743, "--pipeline-model-parallel-size", "2", "--train-iters", "14", "--load", str(ckpt),
+                   "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,args,needle", [
+    ("6", ["--tensor-model-parallel-size", "4"], "not divisible by tensor-model-parallel-size 4"),
+    ("4", ["--tensor-model-parallel-size", "2", "--n-head", "3", "--n-embd", "96"], "--n-head 3 must be divisible"),
+    ("4", ["--model", "gpt", "--pipeline-model-parallel-size", "2"], "--model gpt has no tensor or pipeline"),
+])
+def test_bad_topology_is_one_line_error(world, args, needle):
+    proc = _run_single(["--deepspeed_config", "ds_configs/scape_megatron.json", *args], WORLD_SIZE=world)
+    _one_line_error(proc, needle)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_with_zero3_is_one_line_error(tmp_path):
+    with open(os.path.join(REPO, "ds_configs", "scape_megatron.json")) as f:
+        cfg = json.load(f)
+    cfg["zero_optimization"] = {"stage": 3}
+    bad = tmp_path / "pp_zero3.json"
+    bad.write_text(json.dumps(cfg))
+    proc = _run_single(["--deepspeed_config", str(bad), "--pipeline-model-parallel-size", "2"], WORLD_SIZE="4")
+    _one_line_error(proc, "ZeRO stage 0 or 1 only", "stage 3")

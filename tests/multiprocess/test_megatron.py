@@ -1,0 +1,193 @@
+"""Megatron-core tensor/pipeline parallel groups with SCAPE on the data-parallel group (gloo ranks, DeepSpeed engines)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from .harness import run_ranks
+
+SEQ, VOCAB, MICRO = 16, 64, 2
+CFG = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, n_embd=64)
+
+
+def _ds_config(sparsity: float, gas: int = 1, clip: float = 0.5) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+        "steps_per_print": 10_000, "wall_clock_breakdown": False,
+        "optimizer": {"type": "ScapeAdamS", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scape": {"sparsity": sparsity, "chunk_size": 256, "mask_refresh_interval": 5, "dense_numel_threshold": 1024},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
+    }
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sequences (t, t+1, ...) mod VOCAB from random starts: learnable in a few steps."""
+    g = torch.Generator().manual_seed(step * 1009 + dp_rank)
+    start = torch.randint(0, VOCAB, (MICRO, 1), generator=g)
+    seq = (start + torch.arange(SEQ + 1)) % VOCAB  # (B, T+1)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _set_env(rank):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _gathered_equal(t: torch.Tensor, group) -> bool:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return all(torch.equal(out[0], o) for o in out)
+
+
+def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1):
+    """Train the Megatron GPT (flat for pp == 1 unless forced, PipelineModule otherwise); return per-step losses
+    and how many steps broke replica equality (DP replicas, TP-replicated parameters)."""
+    _set_env(rank)
+    import scape_ds
+    from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
+    from scape_ds.models import GPTConfig
+
+    mpu = init_model_parallel(tp, abs(pp))
+    cfg = GPTConfig(**CFG)
+    dp_rank, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
+    tp_group = mpu.get_tensor_model_parallel_group()
+    if pp > 0:  # flat model
+        torch.manual_seed(0)
+        model = MegatronGPT(cfg)
+        model_parallel_seed(0)
+        engine, *_ = scape_ds.initialize(model=model, config=_ds_config(sparsity, gas), mpu=mpu)
+    else:  # -pp: a DeepSpeed PipelineModule with |pp| stages
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        topo = PipeModelDataParallelTopology(num_pp=-pp, num_mp=tp, num_dp=world_size // (tp * -pp))
+        model = build_pipeline_gpt(cfg, topo, seed=0)
+        model_parallel_seed(0)
+        engine, *_ = scape_ds.initialize(model=model, config=_ds_config(sparsity, gas))
+    losses, dp_breaks, tp_breaks = [], 0, 0
+    for step in range(steps):
+        if pp > 0:
+            total = torch.zeros(1, dtype=torch.float64)
+            for micro in range(gas):
+                x, y = _batch(step * gas + micro, dp_rank)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach())
+            dist.all_reduce(total, group=dp_group)
+            losses.append(float(total) / (gas * dist.get_world_size(dp_group)))
+        else:
+            batches = iter([_batch(step * gas + micro, dp_rank) for micro in range(gas)])
+            losses.append(float(engine.train_batch(data_iter=batches)))  # mean over DP and micro-batches
+        params = [p.detach().reshape(-1) for p in engine.module.parameters()]
+        dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
+        replicated = [p.detach().reshape(-1) for p in engine.module.parameters()
+                      if not getattr(p, "tensor_model_parallel", False)]
+        if replicated:
+            tp_breaks += not _gathered_equal(torch.cat(replicated), tp_group)
+    engine.optimizer.synchronize()
+    return losses, dp_breaks, tp_breaks
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_tp2_reproduces_tp1_at_sparsity_zero(tmp_path, gas):
+    ref = run_ranks(_worker_train, 2, tmp_path / "tp1", 1, 1, 0.0, 10, gas)
+    tp2 = run_ranks(_worker_train, 4, tmp_path / "tp2", 2, 1, 0.0, 10, gas)
+    ref_losses, tp2_losses = ref[0][0], tp2[0][0]
+    assert ref_losses[-1] < ref_losses[0]
+    assert max(abs(a - b) for a, b in zip(ref_losses, tp2_losses)) < 1e-4, (ref_losses, tp2_losses)
+    assert all(r[1] == 0 and r[2] == 0 for r in tp2), tp2
+
+
+def test_pp2_reproduces_pp1_at_sparsity_zero(tmp_path):
+    ref = run_ranks(_worker_train, 2, tmp_path / "pp1", 1, -1, 0.0, 10, 2)
+    pp2 = run_ranks(_worker_train, 4, tmp_path / "pp2", 1, -2, 0.0, 10, 2)
+    ref_losses, pp2_losses = ref[0][0], pp2[0][0]
+    assert ref_losses[-1] < ref_losses[0]
+    assert max(abs(a - b) for a, b in zip(ref_losses, pp2_losses)) < 1e-4, (ref_losses, pp2_losses)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2xdp2", "pp2xdp2"])
+def test_sparse_099_trains_with_equal_replicas(tmp_path, tp, pp):
+    results = run_ranks(_worker_train, 4, tmp_path, tp, pp, 0.99, 30)
+    losses = results[0][0]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    print(f"losses first 5 {first:.3f} last 5 {last:.3f}")
+    assert last < first - 0.3, losses  # ln(64) = 4.16 at the start
+    assert all(dp == 0 for _, dp, _ in results), [r[1:] for r in results]
+    assert all(tpb == 0 for _, _, tpb in results), [r[1:] for r in results]
+
+
+# ---------------------------------------------------------------- the mpu adapter under DeepSpeed's own engine
+def _worker_mpu(rank, world_size, tmp_path):
+    _set_env(rank)
+    import scape_ds
+    from scape_ds.megatron import MegatronGPT, init_model_parallel, model_parallel_seed
+    from scape_ds.models import GPTConfig
+
+    mpu = init_model_parallel(2, 1)
+    answers = dict(
+        mp=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
+            dist.get_process_group_ranks(mpu.get_model_parallel_group())),
+        tp=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_src_rank()),
+        dp=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group_ranks(),
+            dist.get_process_group_ranks(mpu.get_data_parallel_group())),
+        pp=(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
+            dist.get_process_group_ranks(mpu.get_pipe_parallel_group()),
+            dist.get_process_group_ranks(mpu.get_norm_group())),
+    )
+    torch.manual_seed(0)
+    model = MegatronGPT(GPTConfig(**CFG))
+    model_parallel_seed(0)
+    cfg = _ds_config(0.0)
+    cfg.pop("scape")
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}  # DeepSpeed's own engine, all-reduce and clipping
+    engine, *_ = scape_ds.initialize(model=model, config=cfg, mpu=mpu)
+    losses = []
+    for step in range(4):
+        x, y = _batch(step, mpu.get_data_parallel_rank())
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    params = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    dp_equal = _gathered_equal(params, mpu.get_data_parallel_group())
+    engine.save_checkpoint(os.path.join(tmp_path, "ckpt"), tag="t")
+    return answers, losses, dp_equal
+
+
+def test_mpu_adapter_answers_deepspeed_engine(tmp_path):
+    results = run_ranks(_worker_mpu, 4, tmp_path)
+    for rank, (answers, losses, dp_equal) in enumerate(results):
+        tp_rank, dp_rank = rank % 2, rank // 2
+        assert answers["mp"] == (tp_rank, 2, [rank - tp_rank, rank - tp_rank + 1])
+        assert answers["tp"] == (tp_rank, 2, rank - tp_rank)
+        assert answers["dp"] == (dp_rank, 2, [tp_rank, tp_rank + 2], [tp_rank, tp_rank + 2])
+        assert answers["pp"] == (0, 1, [rank], [rank - tp_rank, rank - tp_rank + 1])
+        assert dp_equal and losses[-1] < losses[0]
+    assert results[0][1] == results[1][1]  # TP ranks of one replica compute the same loss
+    names = sorted(os.listdir(tmp_path / "ckpt" / "t"))
+    assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
+
+
+# ---------------------------------------------------------------- topology errors
+@pytest.mark.parametrize("world,tp,pp,stage,message", [
+    (6, 4, 1, 0, "not divisible by tensor-model-parallel-size 4"),
+    (4, 1, 3, 0, "not divisible"),
+    (4, 2, 2, 3, "ZeRO stage 0 or 1 only"),
+    (4, 0, 1, 0, "must be an int >= 1"),
+])
+def test_bad_topology_is_refused(world, tp, pp, stage, message):
+    from scape_ds.megatron import check_topology
+
+    with pytest.raises(ValueError, match=message):
+        check_topology(world, tp, pp, stage)
+
+
+def test_good_topology_gives_data_parallel_size():
+    from scape_ds.megatron import check_topology
+
+    assert check_topology(8, 2, 2, 1) == 2 and check_topology(4, 1, 1, 3) == 4
