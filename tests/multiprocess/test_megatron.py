@@ -42,7 +42,7 @@ def _gathered_equal(t: torch.Tensor, group) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1):
+def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0):
     """Train the Megatron GPT (flat for pp == 1 unless forced, PipelineModule otherwise); return per-step losses
     and how many steps broke replica equality (DP replicas, TP-replicated parameters)."""
     _set_env(rank)
@@ -51,7 +51,7 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1):
     from scape_ds.models import GPTConfig
 
     mpu = init_model_parallel(tp, abs(pp))
-    cfg = GPTConfig(**CFG)
+    cfg = GPTConfig(**CFG, dropout=dropout)
     dp_rank, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
     tp_group = mpu.get_tensor_model_parallel_group()
     if pp > 0:  # flat model
@@ -109,9 +109,12 @@ def test_pp2_reproduces_pp1_at_sparsity_zero(tmp_path):
     assert max(abs(a - b) for a, b in zip(ref_losses, pp2_losses)) < 1e-4, (ref_losses, pp2_losses)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2xdp2", "pp2xdp2"])
-def test_sparse_099_trains_with_equal_replicas(tmp_path, tp, pp):
-    results = run_ranks(_worker_train, 4, tmp_path, tp, pp, 0.99, 30)
+@pytest.mark.parametrize("tp,pp,dropout", [(2, 1, 0.0), (1, -2, 0.0), (2, 1, 0.1)],
+                         ids=["tp2xdp2", "pp2xdp2", "tp2xdp2-dropout"])
+def test_sparse_099_trains_with_equal_replicas(tmp_path, tp, pp, dropout):
+    # with dropout, TP-replicated parameters stay equal only if the replicated activations draw the
+    # same dropout masks on every TP rank (the default RNG, same seed) and the heads their own
+    results = run_ranks(_worker_train, 4, tmp_path, tp, pp, 0.99, 30, 1, dropout)
     losses = results[0][0]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"losses first 5 {first:.3f} last 5 {last:.3f}")
@@ -139,6 +142,14 @@ def _worker_mpu(rank, world_size, tmp_path):
             dist.get_process_group_ranks(mpu.get_pipe_parallel_group()),
             dist.get_process_group_ranks(mpu.get_norm_group())),
     )
+    from scape_ds.megatron import get_rng_tracker
+
+    model_parallel_seed(0)
+    with get_rng_tracker().fork():
+        sharded_draw = torch.rand(8)  # the tensor-parallel stream: one per TP rank
+    replicated_draw = torch.rand(8)  # the default stream: the same on every TP rank
+    tp_group = mpu.get_tensor_model_parallel_group()
+    answers["rng"] = (_gathered_equal(sharded_draw, tp_group), _gathered_equal(replicated_draw, tp_group))
     torch.manual_seed(0)
     model = MegatronGPT(GPTConfig(**CFG))
     model_parallel_seed(0)
@@ -167,6 +178,7 @@ def test_mpu_adapter_answers_deepspeed_engine(tmp_path):
         assert answers["tp"] == (tp_rank, 2, rank - tp_rank)
         assert answers["dp"] == (dp_rank, 2, [tp_rank, tp_rank + 2], [tp_rank, tp_rank + 2])
         assert answers["pp"] == (0, 1, [rank], [rank - tp_rank, rank - tp_rank + 1])
+        assert answers["rng"] == (False, True)
         assert dp_equal and losses[-1] < losses[0]
     assert results[0][1] == results[1][1]  # TP ranks of one replica compute the same loss
     names = sorted(os.listdir(tmp_path / "ckpt" / "t"))
