@@ -15,6 +15,13 @@ wide and shallow with a small batch, so that at 1 Gbit/s the dense exchange domi
 as it does for LLMs on real clusters. Timed SCAPE steps are sparse steps (the refresh is step 0,
 in the warm-up); with dense refresh every T steps, a refresh costs about one dense step.
 Writes ``bench/step_time_results.json`` and ``bench/step_time.png`` (step time vs bandwidth).
+
+    python bench/step_time.py --mpi-loopback --nodes 2,4     # no root: MPI vs torch backend
+
+``--mpi-loopback`` starts the ranks with the venv's ``mpiexec`` on this machine's loopback (no
+shaping: MPICH's hydra starts ranks through its own proxies, not inside our namespaces) and times
+SCAPE 0.9 and 0.99 with ``comm_backend`` "torch" (gloo) and "mpi" (mpi4py) side by side in the
+same processes, for the MPI-vs-torch step-time ratio. Writes ``bench/mpi_vs_torch_results.json``.
 """
 from __future__ import annotations
 
@@ -42,7 +49,13 @@ ROWS = {
                   "scape": {"sparsity": 0.9, "mask_refresh_interval": 100}},
     "SCAPE 0.99": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                    "scape": {"sparsity": 0.99, "mask_refresh_interval": 100}},
+    "SCAPE 0.9 (mpi)": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                        "scape": {"sparsity": 0.9, "mask_refresh_interval": 100, "comm_backend": "mpi"}},
+    "SCAPE 0.99 (mpi)": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                         "scape": {"sparsity": 0.99, "mask_refresh_interval": 100, "comm_backend": "mpi"}},
 }
+CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
+MPI_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 (mpi)", "SCAPE 0.99", "SCAPE 0.99 (mpi)"]
 
 
 def worker(args) -> None:
@@ -57,7 +70,8 @@ def worker(args) -> None:
     from scape_ds.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+    under_mpi = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=under_mpi, verbose=False,
                                distributed_port=int(os.environ["MASTER_PORT"]), timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     train, _ = build_datasets()
@@ -81,7 +95,8 @@ def worker(args) -> None:
             compute.append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in model.parameters())
     results = dict(compute_s=statistics.median(compute), n_params=n_params, rows={})
-    for name, extra in ROWS.items():
+    for name in args.rows.split(","):
+        extra = ROWS[name]
         torch.manual_seed(0)
         model = GPT(GPTConfig(**shape))
         engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
@@ -117,7 +132,7 @@ def run_setting(nodes: int, rate: str, args, port: int) -> dict:
         out = os.path.join(tmp, "r.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-               "--n-head", str(args.n_head), "--seq-len", str(args.seq_len)]
+               "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--rows", ",".join(CLUSTER_ROWS)]
         with Cluster(nodes, rate, args.delay, master_port=port) as c:
             codes = c.wait(c.launch(cmd, env=dict(DS_ACCELERATOR="cpu"), stderr=None if args.verbose else subprocess.DEVNULL), timeout=1800)
             delay_applied = c.delay_applied
@@ -150,7 +165,7 @@ def plot(all_res: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for nodes in sorted({r["nodes"] for r in all_res}):
         sub = sorted((r for r in all_res if r["nodes"] == nodes), key=lambda r: r["rate_bits"])
-        for name in ROWS:
+        for name in CLUSTER_ROWS:
             ax.plot([r["rate_bits"] / 1e9 for r in sub], [r["rows"][name]["step_s"] * 1e3 for r in sub],
                     marker="o", linestyle="-" if nodes == 2 else "--", label=f"{name}, {nodes} nodes")
     ax.set_xscale("log")
@@ -162,6 +177,44 @@ def plot(all_res: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def mpi_loopback(args) -> int:
+    """SCAPE with the torch and the mpi backend, side by side under mpiexec on loopback."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        print("step_time.py: error: no mpiexec next to this python: pip install -e '.[mpi]'", file=sys.stderr)
+        return 2
+    all_res, lines, port = [], [], 29900
+    lines += ["| ranks | row | step ms | MB sent/step | mpi / torch step time |", "|---|---|---|---|---|"]
+    for n in [int(v) for v in args.nodes.split(",")]:
+        port += 1
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r.json")
+            cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--n-layer", str(args.n_layer),
+                   "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len),
+                   "--rows", ",".join(MPI_ROWS)]
+            env = dict(os.environ, MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+            print(f"-- {n} ranks under mpiexec (loopback) ...", flush=True)
+            proc = subprocess.run(cmd, env=env, stderr=None if args.verbose else subprocess.DEVNULL)
+            if proc.returncode != 0:
+                raise RuntimeError(f"mpiexec -n {n}: exit {proc.returncode}")
+            with open(out) as f:
+                res = json.load(f)
+        res.update(ranks=n)
+        all_res.append(res)
+        for name in MPI_ROWS:
+            r = res["rows"][name]
+            torch_row = name.replace(" (mpi)", "")
+            ratio = f"{r['step_s'] / res['rows'][torch_row]['step_s']:.2f}" if name != torch_row else ""
+            lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | {ratio} |")
+        print("\n".join(lines), flush=True)
+    out = os.path.join(REPO, "bench", "mpi_vs_torch_results.json")
+    with open(out, "w") as f:
+        json.dump(all_res, f, indent=1)
+    print(f"results: {out}")
+    return 0
 
 
 def main() -> int:
@@ -177,11 +230,15 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
+    ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", default=",".join(CLUSTER_ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return 0
+    if args.mpi_loopback:
+        return mpi_loopback(args)
     from cluster import need_root
 
     reason = need_root()

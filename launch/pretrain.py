@@ -95,6 +95,10 @@ def check_inputs(args) -> dict:
             raise ValueError(f"--n-layer {args.n_layer} must be >= --pipeline-model-parallel-size {pp}")
     if "train_micro_batch_size_per_gpu" not in cfg:
         raise ValueError(f"{args.deepspeed_config}: set train_micro_batch_size_per_gpu")
+    zero_stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    if zero_stage == 3 and (cfg.get("optimizer") or {}).get("type") == "ScapeAdamS" and (args.save or args.load):
+        raise ValueError("--save/--load of the SCAPE ZeRO-3 optimizer (error feedback, masks) is not written yet: "
+                         "drop them, or use ZeRO stage 0/1")
     load_corpus(args.corpus)
     if args.load:
         read_latest_tag(args.load)
@@ -126,7 +130,7 @@ def dense_bytes_for(model, world_size: int) -> int:
     """Bytes a dense fp32 data-parallel exchange sends per step from one rank (all-reduce)."""
     from scape_ds.comm import collective_bytes
 
-    n = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    n = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters() if p.requires_grad)
     return collective_bytes("all_reduce", n, world_size)
 
 
@@ -216,9 +220,11 @@ def train(args, cfg: dict) -> dict:
             print(f"resumed from {args.load}/{tag} at step {start}", flush=True)
     tokens_per_step = micro_bs * gas * dp_size * args.seq_len
     if is_main:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
             else type(engine.optimizer).__name__
+        if getattr(opt, "scape_stage3", False):
+            kind += " under ZeRO-3 (bytes: gradient reduce-scatter + masks vs ZeRO-3's dense reduce-scatter)"
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if tp * pp > 1 or args.model == 'megatron' else 'GPT'})"
         print(f"GPT {n_params/1e6:.2f}M params on rank 0 | {world} ranks: {layout} | {kind} | {tokens_per_step} tokens/step | "

@@ -74,9 +74,6 @@ def _check_path_a(cfg: dict) -> int:
     if stage == 2:
         raise ValueError("ScapeAdamS does not run under ZeRO stage 2: use stage 0/1 (SCAPE shards the optimizer "
                          "state itself) or stage 3 with the SCAPE stage-3 optimizer")
-    if stage == 3:
-        raise ValueError("ScapeAdamS under ZeRO stage 3 needs the SCAPE stage-3 optimizer, which this version does "
-                         "not ship yet: use zero_optimization.stage 0 or 1")
     if stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     for key in ("offload_optimizer", "offload_param"):
@@ -125,6 +122,37 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     opt_kwargs = _optimizer_kwargs(opt_block.get("params", {}) or {}, opt_type)
     ds_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scape")}
     use_scape = opt_type == "ScapeAdamS"
+    stage3 = use_scape and int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
+    if int((cfg.get("zero_optimization") or {}).get("stage", 0)) > 0 and not (use_scape and not stage3):
+        ds_cfg.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed's ZeRO wraps our AdamS
+    if stage3:  # path B: DeepSpeed's stage 3 with SCAPE's reduce-scatter (scape_ds/zero3.py)
+        from .zero3 import Stage3AdamS, check_stage3_config, scape_stage3_class
+
+        scape_cfg = parse_scape_config(cfg.get("scape"))
+        check_stage3_config(cfg)
+        if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
+            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+        stage3_cls = scape_stage3_class(scape_cfg)
+
+        def build_optimizer(params):
+            return Stage3AdamS(params, **opt_kwargs)
+
+        from deepspeed.runtime.zero import stage3 as ds_stage3
+
+        if model_parameters is None and model is not None:
+            model_parameters = [p for p in model.parameters() if p.requires_grad]
+        original = ds_stage3.DeepSpeedZeroOptimizer_Stage3
+        ds_stage3.DeepSpeedZeroOptimizer_Stage3 = stage3_cls  # the engine looks the class up here
+        try:
+            engine, opt, loader, sched = deepspeed.initialize(
+                args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
+                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+                collate_fn=collate_fn, config=ds_cfg, **kwargs)
+        finally:
+            ds_stage3.DeepSpeedZeroOptimizer_Stage3 = original
+        if not isinstance(engine.optimizer, stage3_cls):
+            raise RuntimeError(f"DeepSpeed built {type(engine.optimizer).__name__}, not the SCAPE stage 3")
+        return engine, opt, loader, sched
     if use_scape:
         scape_cfg = parse_scape_config(cfg.get("scape"))
         _check_path_a(cfg)
@@ -185,7 +213,10 @@ def _is_pipeline(model) -> bool:
     return isinstance(model, PipelineModule)
 
 
-def scape_optimizer(engine) -> ScapeAdamS | None:
-    """The engine's :class:`ScapeAdamS`, or None when it runs another optimizer."""
+def scape_optimizer(engine):
+    """The engine's SCAPE optimizer (:class:`ScapeAdamS`, or the ZeRO-3 ``ScapeStage3``), or None.
+
+    Both have ``cfg``, ``comm_stats`` (``bytes_sent``, ``bytes_dense`` per step) and ``synchronize()``.
+    """
     opt = getattr(engine, "optimizer", None)
-    return opt if isinstance(opt, ScapeAdamS) else None
+    return opt if isinstance(opt, ScapeAdamS) or getattr(opt, "scape_stage3", False) else None

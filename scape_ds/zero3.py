@@ -1,0 +1,283 @@
+"""Path B: SCAPE under DeepSpeed ZeRO stage 3 (DESIGN.md section 2).
+
+:func:`scape_stage3_class` returns a subclass of DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3``
+that ``scape_ds.initialize`` has the engine build in place of its own (the engine looks the class
+up in ``deepspeed.runtime.zero.stage3`` when it creates the optimizer). It changes three things:
+
+1. **Gradient reduce-scatter** (``__avg_scatter_grads``: the per-parameter list of this rank's
+   averaged partition). ZeRO-3 partitions every parameter ``p`` into ``D`` pieces of ``P``
+   elements (the last padded). On a sparse step each rank ``r``'s piece keeps ``k_p =
+   ceil((1 - sparsity) * P)`` coordinates, the mask ``M[p][r]`` chosen by ``r``. Every rank adds
+   its gradient to its error feedback ``E[p]`` (a full-size fp32 buffer keyed by ``p.ds_id``),
+   packs the values at every piece's mask, rank-major, and one dense reduce-scatter of ``D x
+   sum(k_p)`` values delivers to each rank the mean at its own mask; what was sent leaves
+   ``E``. The partition handed back to ZeRO-3 is zero outside the mask. On dense steps (the first
+   and, with ``dense_refresh``, every refresh) the whole of ``g + E`` is reduce-scattered and
+   ``E`` is emptied. The mask stays fixed across gradient-accumulation micro-steps (ZeRO-3
+   reduces every micro-batch; each adds to ``E``).
+2. **Masks from the momentum, one step early**: after a refresh step the owner of each piece
+   takes the top-``k_p`` of ``|m|`` over its piece of the flat fp32 partition that the optimizer
+   sees, and an asynchronous all-gather sends every rank's masks while the next forward runs;
+   the next reduce waits for it.
+3. **The optimizer on the flat fp32 partitions** (:class:`Stage3AdamS`) applies AdamS at the
+   mask only on sparse steps, everywhere on dense ones.
+
+Parameter exchange is ZeRO-3's own (``param_exchange: "dense"``): the updated fp32 partition is
+copied into the compute-dtype partition and all-gathered by ZeRO-3 before use, as without SCAPE.
+fp32 only in this version; everything else that would change what is reduced is refused at
+install (:func:`check_stage3_config`).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import torch
+import torch.distributed as dist
+
+from .comm import TorchCommunicator, collective_bytes
+from .config import ScapeConfig
+from .kernels import get_kernels
+from .optim.adams import adams, check_adams_hyperparameters
+
+__all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals"]
+
+_PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+_NEEDED = ("grad_position", "fp32_partitioned_groups_flat", "fp16_groups", "get_param_id",
+           "_get_param_partition_group", "gradient_accumulation_dtype", "dp_process_group", "overflow")
+
+
+def check_deepspeed_internals() -> None:
+    """Fail with the DeepSpeed version and what is missing if the private stage-3 names moved."""
+    import deepspeed
+    from deepspeed.runtime.zero import stage3
+
+    cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    missing = []
+    src = inspect.getsource(cls)
+    if getattr(cls, _PRIVATE, None) is None:
+        missing.append(f"{cls.__name__}.__avg_scatter_grads")
+    elif not re.search(r"def __avg_scatter_grads\(self,\s*params_to_reduce[^,]*,\s*communication_data_type", src):
+        missing.append("__avg_scatter_grads(self, params_to_reduce, communication_data_type)")  # decorated: read the source
+    for name in _NEEDED:
+        if f"self.{name}" not in src and f"def {name}" not in src:
+            missing.append(f"{cls.__name__}.{name}")
+    if missing:
+        raise RuntimeError(f"scape_ds's ZeRO-3 path does not support DeepSpeed {deepspeed.__version__}: "
+                           f"missing {', '.join(missing)} (written against 0.19.8)")
+
+
+def check_stage3_config(cfg: dict) -> None:
+    """Refuse, with a message, stage-3 settings the SCAPE stage 3 does not run."""
+    zero = cfg.get("zero_optimization") or {}
+    refused = [
+        (zero.get("reduce_scatter", True) is False, "zero_optimization.reduce_scatter false"),
+        (bool(zero.get("zero_quantized_gradients")), "zero_optimization.zero_quantized_gradients"),
+        (bool(zero.get("zero_quantized_weights")), "zero_optimization.zero_quantized_weights"),
+        (int(zero.get("zero_hpz_partition_size", 1) or 1) > 1, "zero_optimization.zero_hpz_partition_size > 1"),
+        (_offload(zero.get("offload_optimizer")), "zero_optimization.offload_optimizer"),
+        (_offload(zero.get("offload_param")), "zero_optimization.offload_param"),
+        (float(cfg.get("gradient_predivide_factor", 1.0)) != 1.0, "gradient_predivide_factor != 1"),
+        (cfg.get("prescale_gradients", False) is True, "prescale_gradients"),
+        ((cfg.get("fp16") or {}).get("enabled", False), "fp16 (dynamic loss scaling with error feedback)"),
+        ((cfg.get("bf16") or {}).get("enabled", False) or (cfg.get("bfloat16") or {}).get("enabled", False),
+         "bf16 (not in this version)"),
+        ((cfg.get("torch_autocast") or {}).get("enabled", False), "torch_autocast"),
+    ]
+    bad = [what for cond, what in refused if cond]
+    if bad:
+        raise ValueError(f"ScapeAdamS under ZeRO stage 3 does not support {', '.join(bad)}: remove "
+                         f"{'it' if len(bad) == 1 else 'them'} (SCAPE would otherwise run dense or reduce the wrong values)")
+    if (cfg.get("scape") or {}).get("param_exchange", "dense") != "dense":
+        raise ValueError("scape.param_exchange 'sparse_replica' is not built yet under ZeRO stage 3: use 'dense'")
+
+
+def _offload(block) -> bool:
+    if not block:
+        return False
+    device = block.get("device", "none") if isinstance(block, dict) else block
+    return str(device) not in ("none", "None")
+
+
+class Stage3AdamS(torch.optim.Optimizer):
+    """AdamS on ZeRO-3's flat fp32 partitions; on sparse steps only at ``active[id(flat)]``.
+
+    ZeRO-3 steps it once per sub-group with that sub-group's flat fp32 partition as the only
+    parameter; :class:`ScapeStage3` sets ``active`` before each step (empty: dense step).
+    """
+
+    def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 bias_correction: bool = True):
+        betas = tuple(betas)
+        check_adams_hyperparameters(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction))
+        self.active: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p)
+                    state["step"] = 0
+                state["step"] += 1
+                t, m = state["step"], state["momentum"]
+                index = self.active.get(id(p))
+                if index is None:
+                    adams([p], [p.grad], [m], step=t, bias_correction=group["bias_correction"], **hyper)
+                else:
+                    c = 1.0 - beta1**t if group["bias_correction"] else 1.0
+                    out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)
+                    get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c, **hyper)
+        return None
+
+
+def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
+    """The ``DeepSpeedZeroOptimizer_Stage3`` subclass running SCAPE with ``scape_cfg``."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    check_deepspeed_internals()
+
+    class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
+        """ZeRO-3 with SCAPE's sparse, error-compensated gradient reduce-scatter (see the module docstring)."""
+
+        cfg = scape_cfg
+        scape_stage3 = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not isinstance(self.optimizer, Stage3AdamS):
+                raise ValueError(f"the SCAPE stage 3 steps Stage3AdamS, got {type(self.optimizer).__name__}")
+            group = self.dp_process_group
+            self.comm = comm_factory(group) if comm_factory else TorchCommunicator(group)
+            self.D, self.r = self.comm.world_size, self.comm.rank
+            self.scape_step = 0  # completed optimizer steps
+            self.error: dict[int, torch.Tensor] = {}  # ds_id -> (D*P,) fp32 error feedback
+            self.masks: dict[int, torch.Tensor] = {}  # ds_id -> (D, k_p) int64 offsets within each piece
+            self._pending = None  # (work, (D * sum k,) int32 gathered masks, [(ds_id, k_p)])
+            self._params = sorted((p for g in self.fp16_groups for p in g), key=lambda p: p.ds_id)
+            self.comm_stats: dict = {}
+            self._dense_rs = sum(collective_bytes("reduce_scatter", self.D * self._piece(p) * 4, self.D)
+                                 for p in self._params)
+
+        # -------------------------------------------------------------- schedule
+        def _piece(self, p) -> int:
+            return math.ceil(p.ds_numel / self.D)
+
+        def _k(self, p) -> int:
+            return max(1, math.ceil((1.0 - self.cfg.sparsity) * self._piece(p)))
+
+        def _is_refresh(self, t: int) -> bool:
+            return t == 1 or (t - 1) % self.cfg.mask_refresh_interval == 0
+
+        def _is_dense(self, t: int) -> bool:
+            return t == 1 or not self.masks or (self.cfg.dense_refresh and self._is_refresh(t))
+
+        # -------------------------------------------------------------- gradient exchange
+        def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+            D, r = self.D, self.r
+            self._wait_masks()
+            dense = self._is_dense(self.scape_step + 1)
+            accs, pieces = [], []
+            for p in params_to_reduce:
+                P = self._piece(p)
+                assert p.partition_numel() == P, (p.partition_numel(), P)
+                err = self.error.get(p.ds_id)
+                if err is None:
+                    err = self.error[p.ds_id] = torch.zeros(D * P, dtype=torch.float32, device=p.grad.device)
+                err[: p.ds_numel].add_(p.grad.reshape(-1).to(torch.float32))  # E += g
+                accs.append(err.view(D, P))
+                pieces.append(P)
+            if dense:
+                packed = torch.cat(accs, dim=1).reshape(-1)  # (D * sum P,) rank-major
+                for a in accs:
+                    a.zero_()
+                widths = pieces
+            else:
+                masks = [self.masks[p.ds_id] for p in params_to_reduce]  # (D, k_p) each
+                vals = [a.gather(1, m) for a, m in zip(accs, masks)]  # (D, k_p)
+                for a, m in zip(accs, masks):
+                    a.scatter_(1, m, 0.0)  # what is sent leaves the error feedback
+                packed = torch.cat(vals, dim=1).reshape(-1)  # (D * sum k,)
+                widths = [m.shape[1] for m in masks]
+            packed.div_(D)  # the mean, pre-divided as DeepSpeed does
+            out = torch.empty(packed.numel() // D, dtype=packed.dtype, device=packed.device)
+            self.comm.reduce_scatter(out, packed, "grad_rs")
+            parts = []
+            for i, (p, chunk) in enumerate(zip(params_to_reduce, torch.split(out, widths))):
+                P = pieces[i]
+                if dense:
+                    part = chunk
+                else:
+                    part = torch.zeros(P, dtype=chunk.dtype, device=chunk.device)
+                    part[masks[i][r]] = chunk
+                real = max(0, min(P, p.ds_numel - r * P))  # the last piece is padded
+                parts.append(part.narrow(0, 0, real).to(self.gradient_accumulation_dtype))
+            return parts
+
+        # -------------------------------------------------------------- step and masks
+        def step(self, closure=None):
+            t = self.scape_step + 1
+            self._wait_masks()
+            dense = self._is_dense(t)
+            self.optimizer.active = {} if dense else self._flat_indices()
+            super().step(closure)
+            if self.overflow:
+                return
+            self.scape_step = t
+            if self._is_refresh(t):
+                self._select_masks()
+            by_tag, _ = self.comm.meter.step_bytes()
+            # bytes_dense: a dense ZeRO-3 step's gradient reduce-scatter; the parameter all-gather is
+            # ZeRO-3's own in both (param_exchange "dense") and is counted in neither
+            self.comm_stats = dict(step=t, dense_step=dense, bytes_sent=sum(by_tag.values()), by_tag=by_tag,
+                                   bytes_dense=self._dense_rs, bytes_dense_rs=self._dense_rs)
+
+        def _positions(self):
+            """(flat tensor, offset in it, param) of every parameter's piece on this rank."""
+            for i, group in enumerate(self.fp16_groups):
+                flat = self.fp32_partitioned_groups_flat[i]
+                for p in group:
+                    _, offset, _ = self.grad_position[self.get_param_id(p)]
+                    yield flat, int(offset), p
+
+        def _flat_indices(self) -> dict[int, torch.Tensor]:
+            index: dict[int, list] = {}
+            for flat, offset, p in self._positions():
+                index.setdefault(id(flat), []).append(self.masks[p.ds_id][self.r] + offset)
+            return {k: torch.cat(v) for k, v in index.items()}
+
+        def _select_masks(self) -> None:
+            """Top-k of |momentum| over each of this rank's pieces; start the all-gather."""
+            mine = {}
+            for flat, offset, p in self._positions():
+                m = self.optimizer.state[flat]["momentum"]
+                seg = m.narrow(0, offset, self._piece(p)).abs()
+                mine[p.ds_id] = torch.topk(seg, self._k(p), sorted=False).indices.sort().values
+            order = [(p.ds_id, self._k(p)) for p in self._params]
+            local = torch.cat([mine[i] for i, _ in order]).to(torch.int32)  # (sum k,)
+            out = torch.empty(local.numel() * self.D, dtype=torch.int32, device=local.device)
+            self._pending = (self.comm.all_gather_async(out, local, "mask_ag"), out, order)
+
+        def _wait_masks(self) -> None:
+            if self._pending is None:
+                return
+            work, out, order = self._pending
+            work.wait()
+            self._pending = None
+            rows = out.view(self.D, -1).long()  # (D, sum k)
+            for (ds_id, _), cols in zip(order, torch.split(rows, [k for _, k in order], dim=1)):
+                self.masks[ds_id] = cols.contiguous()
+
+        def synchronize(self) -> None:
+            """Wait for the mask all-gather in flight (call before destroying the process group)."""
+            self._wait_masks()
+
+    return ScapeStage3
