@@ -95,10 +95,6 @@ def check_inputs(args) -> dict:
             raise ValueError(f"--n-layer {args.n_layer} must be >= --pipeline-model-parallel-size {pp}")
     if "train_micro_batch_size_per_gpu" not in cfg:
         raise ValueError(f"{args.deepspeed_config}: set train_micro_batch_size_per_gpu")
-    zero_stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-    if zero_stage == 3 and (cfg.get("optimizer") or {}).get("type") == "ScapeAdamS" and (args.save or args.load):
-        raise ValueError("--save/--load of the SCAPE ZeRO-3 optimizer (error feedback, masks) is not written yet: "
-                         "drop them, or use ZeRO stage 0/1")
     load_corpus(args.corpus)
     if args.load:
         read_latest_tag(args.load)

@@ -53,20 +53,13 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _refuse_stage3(opt) -> None:
-    if getattr(opt, "scape_stage3", False):
-        raise ValueError("checkpoints of the SCAPE ZeRO-3 optimizer (error feedback, masks) are not written yet: "
-                         "run without --save/--load under ZeRO stage 3")
-
-
 def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None = None) -> str:
     """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir."""
-    _refuse_stage3(scape_optimizer(engine))
     tag = f"global_step{step}"
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
     tag_dir = os.path.join(save_dir, tag)
     opt = scape_optimizer(engine)
-    if opt is not None:
+    if opt is not None and not getattr(opt, "scape_stage3", False):  # ZeRO-3: in DeepSpeed's optimizer files
         os.makedirs(tag_dir, exist_ok=True)
         _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
     if dist.is_initialized():
@@ -109,7 +102,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
     opt = scape_optimizer(engine)
-    _refuse_stage3(opt)
+    if getattr(opt, "scape_stage3", False):
+        opt = None  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
     if opt is not None and not os.path.isfile(_scape_file(tag_dir, opt)):
         raise ValueError(f"--load {load_dir}: {tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "
                          "(saved by another optimizer or data-parallel size)")

@@ -280,4 +280,31 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             """Wait for the mask all-gather in flight (call before destroying the process group)."""
             self._wait_masks()
 
+        # -------------------------------------------------------------- checkpoints
+        def state_dict(self):
+            """ZeRO-3's per-rank state (fp32 partitions, momentum) plus the error feedback, masks and step."""
+            self._wait_masks()
+            sd = super().state_dict()
+            # keyed by the parameter's place in ds_id order: ds_ids count up across engines in one process
+            sd["scape"] = dict(step=self.scape_step, rank=self.r, world_size=self.D,
+                               error={i: self.error[p.ds_id].clone() for i, p in enumerate(self._params) if p.ds_id in self.error},
+                               masks={i: self.masks[p.ds_id].clone() for i, p in enumerate(self._params) if p.ds_id in self.masks})
+            return sd
+
+        def load_state_dict(self, state_dict_list, load_optimizer_states=True, *args, **kwargs):
+            mine = state_dict_list[dist.get_rank(group=self.dp_process_group)]
+            sc = mine.get("scape") if isinstance(mine, dict) else None
+            if sc is None:
+                raise ValueError("the checkpoint has no SCAPE ZeRO-3 state (saved by another optimizer)")
+            if (sc["world_size"], sc["rank"]) != (self.D, self.r):
+                raise ValueError(f"SCAPE ZeRO-3 state of rank {sc['rank']}/{sc['world_size']} cannot load on rank "
+                                 f"{self.r}/{self.D}: resume with the same data-parallel size")
+            super().load_state_dict(state_dict_list, load_optimizer_states, *args, **kwargs)
+            device = self.fp32_partitioned_groups_flat[0].device
+            ids = [p.ds_id for p in self._params]
+            self.error = {ids[i]: v.to(device) for i, v in sc["error"].items()}
+            self.masks = {ids[i]: v.to(device) for i, v in sc["masks"].items()}
+            self.scape_step = sc["step"]
+            self._pending = None
+
     return ScapeStage3

@@ -139,3 +139,46 @@ def test_error_feedback_conserves_everything_under_zero3(tmp_path, gas):
     results = run_ranks(_worker_ef, 2, tmp_path, 10, gas)
     assert all(sparse_steps >= 5 for _, sparse_steps in results)
     assert max(w for w, _ in results) < 1e-5, results
+
+
+def _worker_resume(rank, world_size, tmp_path):
+    """8 steps straight == 4 steps, save, a new engine loads, 4 more (sparsity 0.99, gas 2)."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import scape_ds
+    from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+
+    def engine_():
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=_config("ScapeAdamS", 0.99, 2, T=3))
+        return engine
+
+    def train(engine, start, stop):
+        losses = []
+        for step in range(start, stop):
+            for micro in range(2):
+                x, y = make_batch(step * 2 + micro, rank)
+                loss = loss_fn(engine, x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss))
+        return losses
+
+    straight = engine_()
+    ref = train(straight, 0, 8)
+    ref_params = _gathered(straight)
+    first = engine_()
+    part = train(first, 0, 4)
+    ckpt = os.path.join(tmp_path, "ckpt")
+    save_checkpoint(first, ckpt, 4, dict(step=4))
+    first.optimizer.synchronize()
+    resumed = engine_()
+    tag, client = load_checkpoint(resumed, ckpt)
+    part += train(resumed, client["step"], 8)
+    resumed.optimizer.synchronize()
+    straight.optimizer.synchronize()
+    return ref == part, torch.equal(ref_params, _gathered(resumed)), tag
+
+
+def test_exact_resume_under_zero3(tmp_path):
+    results = run_ranks(_worker_resume, 2, tmp_path)
+    assert results == [(True, True, "global_step4")] * 2, results
