@@ -22,6 +22,9 @@ Writes ``bench/step_time_results.json`` and ``bench/step_time.png`` (step time v
 shaping: MPICH's hydra starts ranks through its own proxies, not inside our namespaces) and times
 SCAPE 0.9 and 0.99 with ``comm_backend`` "torch" (gloo) and "mpi" (mpi4py) side by side in the
 same processes, for the MPI-vs-torch step-time ratio. Writes ``bench/mpi_vs_torch_results.json``.
+``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
+the SCAPE stage 3 at 0.9 and 0.99 (bytes: the gradient reduce-scatter and masks; ZeRO-3's
+parameter all-gathers are the same in every row). Writes ``bench/zero3_results.json``.
 """
 from __future__ import annotations
 
@@ -54,7 +57,16 @@ ROWS = {
     "SCAPE 0.99 (mpi)": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                          "scape": {"sparsity": 0.99, "mask_refresh_interval": 100, "comm_backend": "mpi"}},
 }
+_Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+ROWS.update({
+    "dense ZeRO-3 AdamS": {"optimizer": {"type": "AdamS", "params": OPT}, "zero_optimization": _Z3},
+    "SCAPE ZeRO-3 0.9": {"optimizer": {"type": "ScapeAdamS", "params": OPT}, "zero_optimization": _Z3,
+                         "scape": {"sparsity": 0.9, "mask_refresh_interval": 100}},
+    "SCAPE ZeRO-3 0.99": {"optimizer": {"type": "ScapeAdamS", "params": OPT}, "zero_optimization": _Z3,
+                          "scape": {"sparsity": 0.99, "mask_refresh_interval": 100}},
+})
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
+ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99"]
 MPI_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 (mpi)", "SCAPE 0.99", "SCAPE 0.99 (mpi)"]
 
 
@@ -102,6 +114,8 @@ def worker(args) -> None:
         engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
         opt = scape_optimizer(engine)
         dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
+        if "zero_optimization" in extra:  # ZeRO-3: its gradient reduce-scatter (the all-gathers are the same in every row)
+            dense_bytes = getattr(opt, "_dense_rs", None) or collective_bytes("reduce_scatter", 4 * n_params, world)
         times, sent = [], []
         for s in range(args.warmup + args.steps):
             x, y = batch(s)
@@ -179,14 +193,17 @@ def plot(all_res: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def mpi_loopback(args) -> int:
-    """SCAPE with the torch and the mpi backend, side by side under mpiexec on loopback."""
+def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None) -> int:
+    """Rows side by side under mpiexec on loopback: SCAPE with the torch and the mpi backend, or
+    (``--zero3-loopback``) dense ZeRO-3 against the SCAPE stage 3."""
+    rows = rows or MPI_ROWS
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         print("step_time.py: error: no mpiexec next to this python: pip install -e '.[mpi]'", file=sys.stderr)
         return 2
     all_res, lines, port = [], [], 29900
-    lines += ["| ranks | row | step ms | MB sent/step | mpi / torch step time |", "|---|---|---|---|---|"]
+    head = "mpi / torch step time" if ref is None else f"{ref} / row step time"
+    lines += [f"| ranks | row | step ms | MB sent/step | {head} |", "|---|---|---|---|---|"]
     for n in [int(v) for v in args.nodes.split(",")]:
         port += 1
         with tempfile.TemporaryDirectory() as tmp:
@@ -194,7 +211,7 @@ def mpi_loopback(args) -> int:
             cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--n-layer", str(args.n_layer),
                    "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len),
-                   "--rows", ",".join(MPI_ROWS)]
+                   "--rows", ",".join(rows)]
             env = dict(os.environ, MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
             print(f"-- {n} ranks under mpiexec (loopback) ...", flush=True)
             proc = subprocess.run(cmd, env=env, stderr=None if args.verbose else subprocess.DEVNULL)
@@ -204,13 +221,16 @@ def mpi_loopback(args) -> int:
                 res = json.load(f)
         res.update(ranks=n)
         all_res.append(res)
-        for name in MPI_ROWS:
+        for name in rows:
             r = res["rows"][name]
-            torch_row = name.replace(" (mpi)", "")
-            ratio = f"{r['step_s'] / res['rows'][torch_row]['step_s']:.2f}" if name != torch_row else ""
+            if ref is None:
+                torch_row = name.replace(" (mpi)", "")
+                ratio = f"{r['step_s'] / res['rows'][torch_row]['step_s']:.2f}" if name != torch_row else ""
+            else:
+                ratio = f"{res['rows'][ref]['step_s'] / r['step_s']:.2f}x"
             lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | {ratio} |")
         print("\n".join(lines), flush=True)
-    out = os.path.join(REPO, "bench", "mpi_vs_torch_results.json")
+    out = os.path.join(REPO, "bench", out_name)
     with open(out, "w") as f:
         json.dump(all_res, f, indent=1)
     print(f"results: {out}")
@@ -231,6 +251,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")
+    ap.add_argument("--zero3-loopback", action="store_true", help="dense ZeRO-3 vs SCAPE stage 3 on loopback")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", default=",".join(CLUSTER_ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,6 +260,8 @@ def main() -> int:
         return 0
     if args.mpi_loopback:
         return mpi_loopback(args)
+    if args.zero3_loopback:
+        return mpi_loopback(args, ZERO3_ROWS, "zero3_results.json", ref="dense ZeRO-3 AdamS")
     from cluster import need_root
 
     reason = need_root()

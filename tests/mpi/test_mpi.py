@@ -71,7 +71,7 @@ def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
     proc = _mpirun(2, "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_mpi.json", "--train-iters", "30",
                    "--eval-interval", "30", "--log-interval", "10", "--metrics-out", str(metrics), "--no-progress")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| 2 ranks |" in proc.stdout
+    assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in proc.stdout
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])

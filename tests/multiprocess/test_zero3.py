@@ -62,11 +62,16 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas):
     return losses, unequal, stats
 
 
+def _worker_both(rank, world_size, tmp_path, steps, gas):
+    """DeepSpeed's dense ZeRO-3 with AdamS, then the SCAPE stage 3 at sparsity 0, in one process."""
+    return (_worker(rank, world_size, tmp_path, "AdamS", None, steps, gas),
+            _worker(rank, world_size, tmp_path, "ScapeAdamS", 0.0, steps, gas))
+
+
 @pytest.mark.parametrize("gas", [1, 2])
 def test_sparsity_zero_reproduces_deepspeed_dense_zero3(tmp_path, gas):
-    dense = run_ranks(_worker, 2, tmp_path / "dense", "AdamS", None, 20, gas)
-    scape = run_ranks(_worker, 2, tmp_path / "scape", "ScapeAdamS", 0.0, 20, gas)
-    d, s = dense[0][0], scape[0][0]
+    dense, scape = run_ranks(_worker_both, 2, tmp_path, 20, gas)[0]
+    d, s = dense[0], scape[0]
     assert d[-1] < d[0]
     assert max(abs(a - b) for a, b in zip(d, s)) < 1e-5, (d, s)
 
@@ -134,9 +139,8 @@ def _worker_ef(rank, world_size, tmp_path, steps, gas):
     return worst, sum(not s for s in [zopt._is_dense(t) for t in range(1, steps + 1)])
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-def test_error_feedback_conserves_everything_under_zero3(tmp_path, gas):
-    results = run_ranks(_worker_ef, 2, tmp_path, 10, gas)
+def test_error_feedback_conserves_everything_under_zero3(tmp_path):
+    results = run_ranks(_worker_ef, 2, tmp_path, 10, 2)  # with gradient accumulation: E grows every micro-step
     assert all(sparse_steps >= 5 for _, sparse_steps in results)
     assert max(w for w, _ in results) < 1e-5, results
 
