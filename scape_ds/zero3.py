@@ -104,7 +104,9 @@ class Stage3AdamS(torch.optim.Optimizer):
     """AdamS on ZeRO-3's flat fp32 partitions; on sparse steps only at ``active[id(flat)]``.
 
     ZeRO-3 steps it once per sub-group with that sub-group's flat fp32 partition as the only
-    parameter; :class:`ScapeStage3` sets ``active`` before each step (empty: dense step).
+    parameter; :class:`ScapeStage3` sets ``active`` before each step (empty: dense step). Weight
+    decay is lazy as on path A: coordinates outside the mask are decayed by the accumulated factor
+    at the next dense step.
     """
 
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
@@ -127,15 +129,25 @@ class Stage3AdamS(torch.optim.Optimizer):
                 if "momentum" not in state:
                     state["momentum"] = torch.zeros_like(p)
                     state["step"] = 0
+                    state["decay_debt"] = 1.0
                 state["step"] += 1
                 t, m = state["step"], state["momentum"]
                 index = self.active.get(id(p))
                 if index is None:
+                    last = state.pop("last_index", None)
+                    if last is not None and state["decay_debt"] != 1.0:
+                        # lazy weight decay, as on path A: coordinates outside the last mask missed it
+                        kept = p[last]
+                        p.mul_(state["decay_debt"])
+                        p[last] = kept
+                    state["decay_debt"] = 1.0
                     adams([p], [p.grad], [m], step=t, bias_correction=group["bias_correction"], **hyper)
                 else:
                     c = 1.0 - beta1**t if group["bias_correction"] else 1.0
                     out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)
                     get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c, **hyper)
+                    state["decay_debt"] *= 1.0 - group["lr"] * group["weight_decay"]
+                    state["last_index"] = index
         return None
 
 
