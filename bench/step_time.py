@@ -132,6 +132,8 @@ def worker(args) -> None:
             opt.synchronize()
         results["rows"][name] = dict(step_s=statistics.median(times), bytes=statistics.median(sent),
                                      dense_bytes=dense_bytes)
+        if hasattr(opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
+            results["rows"][name]["memory_bytes"] = opt.memory_bytes()
         del engine, opt, model
     if rank == 0:
         with open(args.out, "w") as f:

@@ -288,6 +288,17 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             for (ds_id, _), cols in zip(order, torch.split(rows, [k for _, k in order], dim=1)):
                 self.masks[ds_id] = cols.contiguous()
 
+        def memory_bytes(self) -> dict[str, int]:
+            """Bytes this rank holds for SCAPE beyond ZeRO-3's own buffers (error feedback, masks), and
+            ZeRO-3's partitioned optimizer state (fp32 partitions, their gradients, AdamS momentum)."""
+            flats = self.fp32_partitioned_groups_flat
+            return dict(
+                error_feedback=sum(e.numel() * e.element_size() for e in self.error.values()),
+                masks=sum(m.numel() * m.element_size() for m in self.masks.values()),
+                fp32_partitions=sum(f.numel() * f.element_size() for f in flats),
+                momentum=sum(self.optimizer.state[f]["momentum"].numel() * 4 for f in flats if f in self.optimizer.state),
+            )
+
         def synchronize(self) -> None:
             """Wait for the mask all-gather in flight (call before destroying the process group)."""
             self._wait_masks()

@@ -57,9 +57,13 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas):
         losses.append(float(t) / world_size)
         unequal += not _equal_on_all_ranks(_gathered(engine))
         stats.append(dict(getattr(engine.optimizer, "comm_stats", {})))
+    memory = None
     if hasattr(engine.optimizer, "synchronize"):
         engine.optimizer.synchronize()
-    return losses, unequal, stats
+        zopt = engine.optimizer
+        memory = (zopt.memory_bytes(), 4 * sum(world_size * zopt._piece(p) for p in zopt._params),
+                  sum(p.numel() for p in make_mlp(seed=5).parameters()))
+    return losses, unequal, stats, memory
 
 
 def _worker_both(rank, world_size, tmp_path, steps, gas):
@@ -80,7 +84,10 @@ def test_sparse_099_replicas_equal_and_reduce_scatter_cut(tmp_path):
     results = run_ranks(_worker, 2, tmp_path, "ScapeAdamS", 0.99, 12, 1)
     losses = results[0][0]
     assert losses[-1] < losses[0], losses
-    assert all(unequal == 0 for _, unequal, _ in results)
+    assert all(unequal == 0 for _, unequal, _, _ in results)
+    memory, ef_expected, n_params = results[0][3]
+    assert memory["error_feedback"] == ef_expected >= 4 * n_params  # a full fp32 gradient-size buffer per rank
+    assert memory["fp32_partitions"] == memory["momentum"] == ef_expected // 2  # ZeRO-3 holds 1/D of it (D = 2)
     sparse = [s for s in results[0][2] if not s["dense_step"]]
     assert len(sparse) >= 8
     for s in sparse:  # masks included
