@@ -59,7 +59,7 @@ RUNS: dict[str, tuple] = {
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
-LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3"]  # adamw, topk99, T50 at 1e-3: defined, not yet run
+LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3", "adamw_lr1e-3", "topk99_lr1e-3", "scape99_T50_lr1e-3"]
 
 
 def make_config(name: str, train_iters: int, micro_batch: int, warmup: int) -> dict:
