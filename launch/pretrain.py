@@ -68,10 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def uses_megatron(args) -> bool:
+    """Whether the model is built from megatron-core layers: ``--model megatron``, or auto with TP or PP > 1."""
+    return args.model == "megatron" or (args.model == "auto" and
+                                        args.tensor_model_parallel_size * args.pipeline_model_parallel_size > 1)
+
+
 def check_inputs(args) -> dict:
     """Everything that can be checked before distributed start-up; returns the DeepSpeed config."""
     from scape_ds.checkpoint import read_latest_tag
-    from scape_ds.config import parse_scape_config
+    from scape_ds.config import parse_scape_config, zero_stage
     from scape_ds.data import load_corpus
     from scape_ds.engine import read_ds_config
 
@@ -84,12 +90,11 @@ def check_inputs(args) -> dict:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.model == "gpt" and tp * pp > 1:
         raise ValueError("--model gpt has no tensor or pipeline parallelism: use --model megatron (or auto)")
-    if tp * pp > 1 or args.model == "megatron":
+    if uses_megatron(args):
         from scape_ds.megatron import check_topology
 
         world = int(next((os.environ[v] for v in ("WORLD_SIZE",) + _MPI_SIZE_VARS if v in os.environ), 1))
-        stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-        check_topology(world, tp, pp, stage)
+        check_topology(world, tp, pp, zero_stage(cfg))
         if args.n_head % tp != 0:
             raise ValueError(f"--n-head {args.n_head} must be divisible by --tensor-model-parallel-size {tp}")
         if pp > 1 and args.n_layer < pp:
@@ -162,19 +167,19 @@ def build_engine(args, cfg: dict, device):
     import torch.distributed as dist
 
     import scape_ds
+    from scape_ds.config import zero_stage
     from scape_ds.models import GPT, GPTConfig
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     gcfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    if args.model == "gpt" or (args.model == "auto" and tp * pp == 1):
+    if not uses_megatron(args):
         torch.manual_seed(args.seed)
         model = GPT(gcfg).to(device)
         engine, _, _, _ = scape_ds.initialize(model=model, config=cfg)
         return engine, model, dist.get_rank(), dist.get_world_size(), None, False
     from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
 
-    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-    mpu = init_model_parallel(tp, pp, stage)
+    mpu = init_model_parallel(tp, pp, zero_stage(cfg))
     dp_rank, dp_size, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group()
     if pp > 1:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -223,7 +228,7 @@ def train(args, cfg: dict) -> dict:
         if getattr(opt, "scape_stage3", False):
             kind += " under ZeRO-3 (bytes: gradient reduce-scatter + masks vs ZeRO-3's dense reduce-scatter)"
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if tp * pp > 1 or args.model == 'megatron' else 'GPT'})"
+        layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if uses_megatron(args) else 'GPT'})"
         print(f"GPT {n_params/1e6:.2f}M params on rank 0 | {world} ranks: {layout} | {kind} | {tokens_per_step} tokens/step | "
               f"corpus {train_data.numel()/1e6:.1f}M train / {val_data.numel()/1e6:.2f}M val bytes, "
               f"unigram entropy {unigram_entropy(train_data):.3f} nats", flush=True)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["ScapeConfig", "parse_scape_config"]
+__all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
 
 
 class ScapeConfig(BaseModel):
@@ -140,3 +140,15 @@ def parse_scape_config(block: ScapeConfig | dict[str, Any] | None) -> ScapeConfi
         return ScapeConfig(**block)
     except ValidationError as err:
         raise ValueError(_format_error(err, "scape.")) from None
+
+
+def zero_stage(ds_config: dict) -> int:
+    """The ZeRO stage a DeepSpeed config asks for (0 without a ``zero_optimization`` block)."""
+    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def offload_enabled(block) -> bool:
+    """Whether a ``zero_optimization.offload_*`` block (dict, or a bare device name) offloads."""
+    if not block:
+        return False
+    return (block.get("device", "none") if isinstance(block, dict) else block) != "none"

@@ -20,12 +20,13 @@ Unsupported combinations fail here with a one-line ``ValueError``.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 from typing import Any
 
-from .config import parse_scape_config
+from .config import offload_enabled, parse_scape_config, zero_stage
 from .optim import AdamS, ScapeAdamS
 
 __all__ = ["initialize", "read_ds_config", "scape_optimizer", "SCAPE_OPTIMIZERS"]
@@ -70,14 +71,14 @@ def _optimizer_kwargs(params: dict, name: str) -> dict:
 def _check_path_a(cfg: dict) -> int:
     """Refuse what path A does not support; return the ZeRO stage of the config."""
     zero = cfg.get("zero_optimization", {}) or {}
-    stage = int(zero.get("stage", 0))
+    stage = zero_stage(cfg)
     if stage == 2:
         raise ValueError("ScapeAdamS does not run under ZeRO stage 2: use stage 0/1 (SCAPE shards the optimizer "
                          "state itself) or stage 3 with the SCAPE stage-3 optimizer")
     if stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     for key in ("offload_optimizer", "offload_param"):
-        if zero.get(key) and (zero[key].get("device", "none") if isinstance(zero[key], dict) else zero[key]) != "none":
+        if offload_enabled(zero.get(key)):
             raise ValueError(f"zero_optimization.{key} is not supported with ScapeAdamS (its state lives with the exchange)")
     if (cfg.get("fp16") or {}).get("enabled", False):
         raise ValueError("fp16 with loss scaling is not supported with ScapeAdamS yet: use fp32 (bf16 is planned)")
@@ -122,9 +123,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     opt_kwargs = _optimizer_kwargs(opt_block.get("params", {}) or {}, opt_type)
     ds_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scape")}
     use_scape = opt_type == "ScapeAdamS"
-    stage3 = use_scape and int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
-    if int((cfg.get("zero_optimization") or {}).get("stage", 0)) > 0 and not (use_scape and not stage3):
+    stage = zero_stage(cfg)
+    stage3 = use_scape and stage == 3
+    if stage > 0 and (stage3 or not use_scape):
         ds_cfg.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed's ZeRO wraps our AdamS
+    build_as = contextlib.nullcontext()
     if stage3:  # path B: DeepSpeed's stage 3 with SCAPE's reduce-scatter (scape_ds/zero3.py)
         from .zero3 import Stage3AdamS, check_stage3_config, scape_stage3_class
 
@@ -133,27 +136,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
             raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
         stage3_cls = scape_stage3_class(scape_cfg)
+        build_as = _stage3_class_swapped(stage3_cls)
 
         def build_optimizer(params):
             return Stage3AdamS(params, **opt_kwargs)
-
-        from deepspeed.runtime.zero import stage3 as ds_stage3
-
-        if model_parameters is None and model is not None:
-            model_parameters = [p for p in model.parameters() if p.requires_grad]
-        original = ds_stage3.DeepSpeedZeroOptimizer_Stage3
-        ds_stage3.DeepSpeedZeroOptimizer_Stage3 = stage3_cls  # the engine looks the class up here
-        try:
-            engine, opt, loader, sched = deepspeed.initialize(
-                args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
-                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
-                collate_fn=collate_fn, config=ds_cfg, **kwargs)
-        finally:
-            ds_stage3.DeepSpeedZeroOptimizer_Stage3 = original
-        if not isinstance(engine.optimizer, stage3_cls):
-            raise RuntimeError(f"DeepSpeed built {type(engine.optimizer).__name__}, not the SCAPE stage 3")
-        return engine, opt, loader, sched
-    if use_scape:
+    elif use_scape:
         scape_cfg = parse_scape_config(cfg.get("scape"))
         _check_path_a(cfg)
         ds_cfg.pop("zero_optimization", None)  # stage 1 == SCAPE's own sharding; DeepSpeed runs stage 0
@@ -181,18 +168,37 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             return AdamS(params, **opt_kwargs)
 
     if model_parameters is None and model is not None:
-        model_parameters = _param_groups(model) if use_scape else [p for p in model.parameters() if p.requires_grad]
-    engine, opt, loader, sched = deepspeed.initialize(
-        args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
-        collate_fn=collate_fn, config=ds_cfg, **kwargs)
-    if use_scape:
+        model_parameters = _param_groups(model) if use_scape and not stage3 else \
+            [p for p in model.parameters() if p.requires_grad]
+    with build_as:
+        engine, opt, loader, sched = deepspeed.initialize(
+            args=args, model=model, optimizer=build_optimizer, model_parameters=model_parameters,
+            training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+            collate_fn=collate_fn, config=ds_cfg, **kwargs)
+    if stage3:
+        if not isinstance(engine.optimizer, stage3_cls):
+            raise RuntimeError(f"DeepSpeed built {type(engine.optimizer).__name__}, not the SCAPE stage 3")
+    elif use_scape:
         if not isinstance(engine.optimizer, ScapeAdamS):
             raise RuntimeError(f"DeepSpeed wrapped ScapeAdamS in {type(engine.optimizer).__name__}; expected it bare")
         engine.enable_backward_allreduce = False  # SCAPE's sparse exchange replaces the dense all-reduce
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
     return engine, opt, loader, sched
+
+
+@contextlib.contextmanager
+def _stage3_class_swapped(cls):
+    """DeepSpeed's engine looks its stage-3 optimizer class up in its module when it builds one:
+    while this is open, that class is ``cls``."""
+    from deepspeed.runtime.zero import stage3 as ds_stage3
+
+    original = ds_stage3.DeepSpeedZeroOptimizer_Stage3
+    ds_stage3.DeepSpeedZeroOptimizer_Stage3 = cls
+    try:
+        yield
+    finally:
+        ds_stage3.DeepSpeedZeroOptimizer_Stage3 = original
 
 
 def _param_groups(model) -> list:

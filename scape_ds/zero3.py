@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from .comm import TorchCommunicator, collective_bytes
-from .config import ScapeConfig
+from .config import ScapeConfig, offload_enabled
 from .kernels import get_kernels
 from .optim.adams import adams, check_adams_hyperparameters
+from .optim.scape import is_refresh_step
 
 __all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals"]
 
@@ -76,8 +77,8 @@ def check_stage3_config(cfg: dict) -> None:
         (bool(zero.get("zero_quantized_gradients")), "zero_optimization.zero_quantized_gradients"),
         (bool(zero.get("zero_quantized_weights")), "zero_optimization.zero_quantized_weights"),
         (int(zero.get("zero_hpz_partition_size", 1) or 1) > 1, "zero_optimization.zero_hpz_partition_size > 1"),
-        (_offload(zero.get("offload_optimizer")), "zero_optimization.offload_optimizer"),
-        (_offload(zero.get("offload_param")), "zero_optimization.offload_param"),
+        (offload_enabled(zero.get("offload_optimizer")), "zero_optimization.offload_optimizer"),
+        (offload_enabled(zero.get("offload_param")), "zero_optimization.offload_param"),
         (float(cfg.get("gradient_predivide_factor", 1.0)) != 1.0, "gradient_predivide_factor != 1"),
         (cfg.get("prescale_gradients", False) is True, "prescale_gradients"),
         ((cfg.get("fp16") or {}).get("enabled", False), "fp16 (dynamic loss scaling with error feedback)"),
@@ -91,13 +92,6 @@ def check_stage3_config(cfg: dict) -> None:
                          f"{'it' if len(bad) == 1 else 'them'} (SCAPE would otherwise run dense or reduce the wrong values)")
     if (cfg.get("scape") or {}).get("param_exchange", "dense") != "dense":
         raise ValueError("scape.param_exchange 'sparse_replica' is not built yet under ZeRO stage 3: use 'dense'")
-
-
-def _offload(block) -> bool:
-    if not block:
-        return False
-    device = block.get("device", "none") if isinstance(block, dict) else block
-    return str(device) not in ("none", "None")
 
 
 class Stage3AdamS(torch.optim.Optimizer):
@@ -151,7 +145,7 @@ class Stage3AdamS(torch.optim.Optimizer):
         return None
 
 
-def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
+def scape_stage3_class(scape_cfg: ScapeConfig):
     """The ``DeepSpeedZeroOptimizer_Stage3`` subclass running SCAPE with ``scape_cfg``."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -168,12 +162,13 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             if not isinstance(self.optimizer, Stage3AdamS):
                 raise ValueError(f"the SCAPE stage 3 steps Stage3AdamS, got {type(self.optimizer).__name__}")
             group = self.dp_process_group
-            self.comm = comm_factory(group) if comm_factory else TorchCommunicator(group)
+            self.comm = TorchCommunicator(group)
             self.D, self.r = self.comm.world_size, self.comm.rank
             self.scape_step = 0  # completed optimizer steps
             self.error: dict[int, torch.Tensor] = {}  # ds_id -> (D*P,) fp32 error feedback
             self.masks: dict[int, torch.Tensor] = {}  # ds_id -> (D, k_p) int64 offsets within each piece
             self._pending = None  # (work, (D * sum k,) int32 gathered masks, [(ds_id, k_p)])
+            self._flat_index = None  # id(flat fp32 partition) -> this rank's mask in it, built once per mask
             self._params = sorted((p for g in self.fp16_groups for p in g), key=lambda p: p.ds_id)
             self.comm_stats: dict = {}
             self._dense_rs = sum(collective_bytes("reduce_scatter", self.D * self._piece(p) * 4, self.D)
@@ -187,7 +182,7 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             return max(1, math.ceil((1.0 - self.cfg.sparsity) * self._piece(p)))
 
         def _is_refresh(self, t: int) -> bool:
-            return t == 1 or (t - 1) % self.cfg.mask_refresh_interval == 0
+            return is_refresh_step(t, self.cfg.mask_refresh_interval)
 
         def _is_dense(self, t: int) -> bool:
             return t == 1 or not self.masks or (self.cfg.dense_refresh and self._is_refresh(t))
@@ -250,7 +245,7 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             # bytes_dense: a dense ZeRO-3 step's gradient reduce-scatter; the parameter all-gather is
             # ZeRO-3's own in both (param_exchange "dense") and is counted in neither
             self.comm_stats = dict(step=t, dense_step=dense, bytes_sent=sum(by_tag.values()), by_tag=by_tag,
-                                   bytes_dense=self._dense_rs, bytes_dense_rs=self._dense_rs)
+                                   bytes_dense=self._dense_rs)
 
         def _positions(self):
             """(flat tensor, offset in it, param) of every parameter's piece on this rank."""
@@ -261,10 +256,12 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
                     yield flat, int(offset), p
 
         def _flat_indices(self) -> dict[int, torch.Tensor]:
-            index: dict[int, list] = {}
-            for flat, offset, p in self._positions():
-                index.setdefault(id(flat), []).append(self.masks[p.ds_id][self.r] + offset)
-            return {k: torch.cat(v) for k, v in index.items()}
+            if self._flat_index is None:  # the masks changed since the last sparse step
+                index: dict[int, list] = {}
+                for flat, offset, p in self._positions():
+                    index.setdefault(id(flat), []).append(self.masks[p.ds_id][self.r] + offset)
+                self._flat_index = {k: torch.cat(v) for k, v in index.items()}
+            return self._flat_index
 
         def _select_masks(self) -> None:
             """Top-k of |momentum| over each of this rank's pieces; start the all-gather."""
@@ -287,6 +284,7 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             rows = out.view(self.D, -1).long()  # (D, sum k)
             for (ds_id, _), cols in zip(order, torch.split(rows, [k for _, k in order], dim=1)):
                 self.masks[ds_id] = cols.contiguous()
+            self._flat_index = None
 
         def memory_bytes(self) -> dict[str, int]:
             """Bytes this rank holds for SCAPE beyond ZeRO-3's own buffers (error feedback, masks), and
@@ -327,6 +325,7 @@ def scape_stage3_class(scape_cfg: ScapeConfig, comm_factory=None):
             ids = [p.ds_id for p in self._params]
             self.error = {ids[i]: v.to(device) for i, v in sc["error"].items()}
             self.masks = {ids[i]: v.to(device) for i, v in sc["masks"].items()}
+            self._flat_index = None
             self.scape_step = sc["step"]
             self._pending = None
 

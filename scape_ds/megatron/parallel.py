@@ -71,16 +71,6 @@ class MegatronMPU:
 
         self._ps = parallel_state
 
-    # model parallel == tensor parallel for DeepSpeed
-    def get_model_parallel_rank(self) -> int:
-        return self._ps.get_tensor_model_parallel_rank()
-
-    def get_model_parallel_world_size(self) -> int:
-        return self._ps.get_tensor_model_parallel_world_size()
-
-    def get_model_parallel_group(self):
-        return self._ps.get_tensor_model_parallel_group()
-
     def get_tensor_model_parallel_rank(self) -> int:
         return self._ps.get_tensor_model_parallel_rank()
 
@@ -89,6 +79,11 @@ class MegatronMPU:
 
     def get_tensor_model_parallel_group(self):
         return self._ps.get_tensor_model_parallel_group()
+
+    # model parallel == tensor parallel for DeepSpeed
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_model_parallel_group = get_tensor_model_parallel_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._ps.get_tensor_model_parallel_src_rank()

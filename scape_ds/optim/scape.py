@@ -63,6 +63,11 @@ class _GroupState:
     norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
 
 
+def is_refresh_step(t: int, interval: int) -> bool:
+    """Whether step ``t`` (1-based) chooses the next mask: the first step and every ``interval`` after."""
+    return t == 1 or (t - 1) % interval == 0
+
+
 class ScapeAdamS(Optimizer):
     """AdamS with SCAPE sparse communication over a data-parallel group.
 
@@ -160,7 +165,7 @@ class ScapeAdamS(Optimizer):
 
     # ------------------------------------------------------------------ schedule
     def _is_refresh(self, t: int) -> bool:
-        return t == 1 or (t - 1) % self.cfg.mask_refresh_interval == 0
+        return is_refresh_step(t, self.cfg.mask_refresh_interval)
 
     def _is_dense(self, t: int) -> bool:
         return self.cfg.compressor == "dense" or t == 1 or (self.cfg.dense_refresh and self._is_refresh(t))

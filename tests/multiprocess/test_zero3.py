@@ -91,7 +91,7 @@ def test_sparse_099_replicas_equal_and_reduce_scatter_cut(tmp_path):
     sparse = [s for s in results[0][2] if not s["dense_step"]]
     assert len(sparse) >= 8
     for s in sparse:  # masks included
-        assert (s["by_tag"].get("grad_rs", 0) + s["by_tag"].get("mask_ag", 0)) * 30 <= s["bytes_dense_rs"], s
+        assert (s["by_tag"].get("grad_rs", 0) + s["by_tag"].get("mask_ag", 0)) * 30 <= s["bytes_dense"], s
 
 
 def _worker_ef(rank, world_size, tmp_path, steps, gas):
