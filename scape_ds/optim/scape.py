@@ -58,6 +58,7 @@ class _GroupState:
     dense_momenta: list[torch.Tensor] = field(default_factory=list)
     active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
     active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
+    active_local: torch.Tensor | None = None  # (k,) int64 this rank's part of active_index, shard-local
     pending: tuple[Any, torch.Tensor] | None = None  # (work, (D*L,) uint8 encoded masks) in flight
     decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
     norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
@@ -254,7 +255,7 @@ class ScapeAdamS(Optimizer):
 
     def _update_group(self, group, gs: _GroupState, sparse_g, dense_g, scale: float, dense_step: bool) -> None:
         """Steps 3-4: AdamS on the owned shard (at the mask) and the all-gather of new values."""
-        t, D, r = self._step, self.comm.world_size, self.comm.rank
+        t, D = self._step, self.comm.world_size
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
@@ -268,15 +269,12 @@ class ScapeAdamS(Optimizer):
             return
         if scale != 1.0:
             sparse_g.mul_(scale)
-        layout = gs.layout
         if dense_step:
             if gs.active_index is not None and gs.decay_debt != 1.0:
                 # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
-                k = gs.active_index.numel() // D
-                local = gs.active_index[r * k : (r + 1) * k] - r * layout.shard_numel  # (k,) int64
-                kept = gs.master[local]
+                kept = gs.master[gs.active_local]
                 gs.master.mul_(gs.decay_debt)
-                gs.master[local] = kept
+                gs.master[gs.active_local] = kept
             gs.decay_debt = 1.0
             adams([gs.master], [sparse_g], [gs.momentum], step=t, bias_correction=group["bias_correction"], **hyper)
             new = gs.master.to(gs.flat_param.dtype)  # (S,) compute dtype
@@ -284,10 +282,10 @@ class ScapeAdamS(Optimizer):
         else:
             K = gs.active_index.numel()
             k = K // D
-            local = gs.active_index[r * k : (r + 1) * k] - r * layout.shard_numel  # (k,) int64
             c = 1.0 - beta1**t if group["bias_correction"] else 1.0
             new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
-            self._kernels.masked_adams_update(gs.master, gs.momentum, local, sparse_g, new, bias_correction=c, **hyper)
+            self._kernels.masked_adams_update(gs.master, gs.momentum, gs.active_local, sparse_g, new, bias_correction=c,
+                                              **hyper)
             values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
             self.comm.all_gather(values, new, "param_ag")
             self._kernels.scatter_values(gs.flat_param, gs.active_index, values)
@@ -327,6 +325,9 @@ class ScapeAdamS(Optimizer):
     def _set_active(self, gs: _GroupState, offsets: torch.Tensor) -> None:
         gs.active_offsets = offsets  # (K,) int16
         gs.active_index = offsets_to_index(offsets, self.cfg.chunk_size, self.cfg.k_per_chunk)  # (K,) int64
+        D, r = self.comm.world_size, self.comm.rank
+        k = gs.active_index.numel() // D
+        gs.active_local = gs.active_index[r * k : (r + 1) * k] - r * gs.layout.shard_numel  # (k,) int64
 
     # ------------------------------------------------------------------ accounting
     def _dense_bytes(self, gs: _GroupState) -> int:
@@ -412,7 +413,7 @@ class ScapeAdamS(Optimizer):
             gs.pending = None
             gs.decay_debt = saved["decay_debt"]
             if saved["active_offsets"] is None:
-                gs.active_offsets = gs.active_index = None
+                gs.active_offsets = gs.active_index = gs.active_local = None
             else:
                 self._set_active(gs, saved["active_offsets"].to(gs.flat_param.device))
         self._step = sc["step"]
