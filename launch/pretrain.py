@@ -5,6 +5,7 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the o
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/dense_adamw.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3
+    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3_replica.json  # + replica
     python launch/pretrain.py --deepspeed_config ds_configs/scape.json          # one rank
     mpiexec -n 4 python launch/pretrain.py --deepspeed_config ds_configs/scape_mpi.json   # MPI launch
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
@@ -225,7 +226,10 @@ def train(args, cfg: dict) -> dict:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
             else type(engine.optimizer).__name__
-        if getattr(opt, "scape_stage3", False):
+        if getattr(opt, "scape_stage3", False) and opt.replica:
+            kind += (" under ZeRO-3, sparse_replica (bytes: gradient reduce-scatter + masks + parameter all-gather"
+                     " vs ZeRO-3's dense reduce-scatter + all-gather)")
+        elif getattr(opt, "scape_stage3", False):
             kind += " under ZeRO-3 (bytes: gradient reduce-scatter + masks vs ZeRO-3's dense reduce-scatter)"
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if uses_megatron(args) else 'GPT'})"

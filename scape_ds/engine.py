@@ -129,12 +129,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         ds_cfg.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed's ZeRO wraps our AdamS
     build_as = contextlib.nullcontext()
     if stage3:  # path B: DeepSpeed's stage 3 with SCAPE's reduce-scatter (scape_ds/zero3.py)
-        from .zero3 import Stage3AdamS, check_stage3_config, scape_stage3_class
+        from .zero3 import Stage3AdamS, check_stage3_config, replica_zero_config, scape_stage3_class
 
         scape_cfg = parse_scape_config(cfg.get("scape"))
         check_stage3_config(cfg)
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
             raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+        if scape_cfg.param_exchange == "sparse_replica":
+            ds_cfg["zero_optimization"] = replica_zero_config(ds_cfg["zero_optimization"])
         stage3_cls = scape_stage3_class(scape_cfg)
         build_as = _stage3_class_swapped(stage3_cls)
 

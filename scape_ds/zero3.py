@@ -22,8 +22,17 @@ up in ``deepspeed.runtime.zero.stage3`` when it creates the optimizer). It chang
 3. **The optimizer on the flat fp32 partitions** (:class:`Stage3AdamS`) applies AdamS at the
    mask only on sparse steps, everywhere on dense ones.
 
-Parameter exchange is ZeRO-3's own (``param_exchange: "dense"``): the updated fp32 partition is
-copied into the compute-dtype partition and all-gathered by ZeRO-3 before use, as without SCAPE.
+Parameter exchange (``scape.param_exchange``):
+
+- ``"dense"``: ZeRO-3's own. The updated fp32 partition is copied into the compute-dtype partition
+  and all-gathered by ZeRO-3 before each use, as without SCAPE; ZeRO-3's memory.
+- ``"sparse_replica"``: every rank keeps a full compute-dtype copy of every parameter (``initialize``
+  makes them all ZeRO-3 *persistent*, so forward and backward fetch nothing). After a step the
+  copy is patched by one all-gather of the new values at the masks: a sparse step changes a piece
+  only at its mask (weight decay outside it is lazy, settled at the next dense step), so rank ``r``
+  sends ``k_p`` values per parameter. Dense steps all-gather the whole partitions. Both go through
+  SCAPE's metered communicator in place of ZeRO-3's persistent-parameter all-gather.
+
 fp32 only in this version; everything else that would change what is reduced is refused at
 install (:func:`check_stage3_config`).
 """
@@ -32,6 +41,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,11 +52,13 @@ from .kernels import get_kernels
 from .optim.adams import adams, check_adams_hyperparameters
 from .optim.scape import is_refresh_step
 
-__all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals"]
+__all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals",
+           "replica_zero_config"]
 
 _PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 _NEEDED = ("grad_position", "fp32_partitioned_groups_flat", "fp16_groups", "get_param_id",
-           "_get_param_partition_group", "gradient_accumulation_dtype", "dp_process_group", "overflow")
+           "_get_param_partition_group", "gradient_accumulation_dtype", "dp_process_group", "overflow",
+           "persistent_parameters", "_post_step", "_partition_all_parameters")
 
 
 def check_deepspeed_internals() -> None:
@@ -90,8 +102,21 @@ def check_stage3_config(cfg: dict) -> None:
     if bad:
         raise ValueError(f"ScapeAdamS under ZeRO stage 3 does not support {', '.join(bad)}: remove "
                          f"{'it' if len(bad) == 1 else 'them'} (SCAPE would otherwise run dense or reduce the wrong values)")
-    if (cfg.get("scape") or {}).get("param_exchange", "dense") != "dense":
-        raise ValueError("scape.param_exchange 'sparse_replica' is not built yet under ZeRO stage 3: use 'dense'")
+
+
+def replica_zero_config(zero: dict) -> dict:
+    """``zero_optimization`` for ``param_exchange: "sparse_replica"``: every parameter persistent
+    (a full copy on every rank, never released after use)."""
+    zero = dict(zero)
+    for key in ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold"):
+        if key in zero and int(zero[key]) < _EVERYTHING:
+            raise ValueError(f"zero_optimization.{key} = {zero[key]} with scape.param_exchange 'sparse_replica': "
+                             f"the replica keeps every parameter on every rank; remove {key}")
+        zero[key] = _EVERYTHING
+    return zero
+
+
+_EVERYTHING = sys.maxsize
 
 
 class Stage3AdamS(torch.optim.Optimizer):
@@ -173,6 +198,18 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             self.comm_stats: dict = {}
             self._dense_rs = sum(collective_bytes("reduce_scatter", self.D * self._piece(p) * 4, self.D)
                                  for p in self._params)
+            self.replica = self.cfg.param_exchange == "sparse_replica"
+            self._dense_ag = 0  # a dense all-gather of the compute-dtype parameters (sparse_replica's dense step)
+            self._replica_index = None  # [(flat positions in p, valid)] per parameter, built once per mask
+            self._step_dense = True
+            self._in_step = False
+            if self.replica:
+                partial = [p.ds_id for p in self._params if not getattr(p, "ds_persist", False)]
+                if partial:
+                    raise ValueError(f"param_exchange 'sparse_replica' needs every parameter persistent; {len(partial)} "
+                                     f"are not (build the engine through scape_ds.initialize)")
+                self._dense_ag = sum(collective_bytes("all_gather", self._piece(p) * p.ds_tensor.element_size(), self.D)
+                                     for p in self._params)  # each rank's piece in, D pieces out
 
         # -------------------------------------------------------------- schedule
         def _piece(self, p) -> int:
@@ -235,17 +272,83 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             self._wait_masks()
             dense = self._is_dense(t)
             self.optimizer.active = {} if dense else self._flat_indices()
-            super().step(closure)
+            self._step_dense = dense
+            self._in_step = True
+            try:
+                super().step(closure)  # its _post_step patches the replica (sparse_replica)
+            finally:
+                self._in_step = False
             if self.overflow:
                 return
             self.scape_step = t
             if self._is_refresh(t):
                 self._select_masks()
             by_tag, _ = self.comm.meter.step_bytes()
-            # bytes_dense: a dense ZeRO-3 step's gradient reduce-scatter; the parameter all-gather is
-            # ZeRO-3's own in both (param_exchange "dense") and is counted in neither
+            # bytes_dense: a dense ZeRO-3 step's gradient reduce-scatter, plus under sparse_replica its
+            # parameter all-gather. Under "dense" the all-gather is ZeRO-3's own in both and counted in neither
             self.comm_stats = dict(step=t, dense_step=dense, bytes_sent=sum(by_tag.values()), by_tag=by_tag,
-                                   bytes_dense=self._dense_rs)
+                                   bytes_dense=self._dense_rs + self._dense_ag)
+
+        # -------------------------------------------------------------- parameter exchange (sparse_replica)
+        def _partition_all_parameters(self):
+            if not (self.replica and self._in_step):
+                return super()._partition_all_parameters()
+            # ZeRO-3 frees every parameter when a step starts, the persistent ones too, and all-gathers
+            # those again in _post_step: the replica stays, and _post_step patches it instead
+            for p in self._params:
+                p.ds_active_sub_modules.clear()
+
+        def _post_step(self, timer_names):
+            if not self.replica:
+                return super()._post_step(timer_names)
+            persistent = self.persistent_parameters
+            self.persistent_parameters = []  # ZeRO-3 would all-gather them densely here
+            try:
+                super()._post_step(timer_names)
+            finally:
+                self.persistent_parameters = persistent
+            self._patch_replica(self._step_dense)
+
+        def _patch_replica(self, dense: bool) -> None:
+            """Bring every rank's full copy up to date from the compute-dtype partitions ZeRO-3 just wrote."""
+            D, r, params = self.D, self.r, self._params
+            if dense:
+                local = torch.cat([p.ds_tensor.reshape(-1) for p in params])  # (sum P,)
+                widths = [self._piece(p) for p in params]
+            else:
+                local = torch.cat([p.ds_tensor.reshape(-1)[self.masks[p.ds_id][r]] for p in params])  # (sum k,)
+                widths = [self.masks[p.ds_id].shape[1] for p in params]
+            out = torch.empty(D * local.numel(), dtype=local.dtype, device=local.device)
+            self.comm.all_gather(out, local, "param_ag")
+            rows = torch.split(out.view(D, -1), widths, dim=1)  # (D, width) per parameter
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            if dense:
+                for p, row in zip(params, rows):
+                    full = row.reshape(-1)[: p.ds_numel].view(p.ds_shape)
+                    if p.ds_status == ZeroParamStatus.AVAILABLE:
+                        p.data.copy_(full)
+                    else:  # released by ZeRO-3 while it traced the first step: as its own all-gather does
+                        p.data = full.clone()
+                        p.ds_status = ZeroParamStatus.AVAILABLE
+                return
+            for p, row, (pos, valid) in zip(params, rows, self._replica_positions()):
+                # a parameter ZeRO-3 released (it does so while it retraces) is fetched from the
+                # up-to-date partitions at its next use
+                if p.ds_status == ZeroParamStatus.AVAILABLE:
+                    p.data.view(-1)[pos] = row.reshape(-1)[valid]
+
+        def _replica_positions(self):
+            """Per parameter: where every rank's mask lands in the full tensor, and which mask entries are
+            real (not the last piece's padding)."""
+            if self._replica_index is None:
+                self._replica_index = []
+                for p in self._params:
+                    m = self.masks[p.ds_id]  # (D, k)
+                    flat = (torch.arange(self.D, device=m.device).unsqueeze(1) * self._piece(p) + m).reshape(-1)
+                    valid = flat < p.ds_numel
+                    self._replica_index.append((flat[valid], valid))
+            return self._replica_index
 
         def _positions(self):
             """(flat tensor, offset in it, param) of every parameter's piece on this rank."""
@@ -284,15 +387,19 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             rows = out.view(self.D, -1).long()  # (D, sum k)
             for (ds_id, _), cols in zip(order, torch.split(rows, [k for _, k in order], dim=1)):
                 self.masks[ds_id] = cols.contiguous()
-            self._flat_index = None
+            self._flat_index = self._replica_index = None
 
         def memory_bytes(self) -> dict[str, int]:
-            """Bytes this rank holds for SCAPE beyond ZeRO-3's own buffers (error feedback, masks), and
-            ZeRO-3's partitioned optimizer state (fp32 partitions, their gradients, AdamS momentum)."""
+            """Bytes this rank holds for SCAPE beyond ZeRO-3's own buffers (error feedback, masks, the
+            sparse_replica full parameter copy; 0 under "dense", where ZeRO-3 gathers a parameter only
+            while a module runs), and ZeRO-3's partitioned state (compute-dtype parameter partitions,
+            fp32 partitions, AdamS momentum)."""
             flats = self.fp32_partitioned_groups_flat
             return dict(
                 error_feedback=sum(e.numel() * e.element_size() for e in self.error.values()),
                 masks=sum(m.numel() * m.element_size() for m in self.masks.values()),
+                replica=sum(p.data.numel() * p.data.element_size() for p in self._params) if self.replica else 0,
+                param_partitions=sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self._params),
                 fp32_partitions=sum(f.numel() * f.element_size() for f in flats),
                 momentum=sum(self.optimizer.state[f]["momentum"].numel() * 4 for f in flats if f in self.optimizer.state),
             )
@@ -325,7 +432,7 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             ids = [p.ds_id for p in self._params]
             self.error = {ids[i]: v.to(device) for i, v in sc["error"].items()}
             self.masks = {ids[i]: v.to(device) for i, v in sc["masks"].items()}
-            self._flat_index = None
+            self._flat_index = self._replica_index = None
             self.scape_step = sc["step"]
             self._pending = None
 

@@ -41,6 +41,22 @@ def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
     assert os.listdir(tmp_path / "tb")
 
 
+@pytest.mark.timeout(600)
+def test_deepspeed_launcher_zero3_sparse_replica_learns(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29733", "launch/pretrain.py",
+           "--deepspeed_config", "ds_configs/scape_zero3_replica.json", "--train-iters", "20", "--eval-interval", "20",
+           "--log-interval", "10", "--metrics-out", str(metrics), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "under ZeRO-3, sparse_replica" in proc.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
+    assert rows[0]["bytes_sent"] >= rows[0]["bytes_dense"]  # the first step is dense (and sends its masks)
+    assert all(0 < r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])  # RS + masks + parameter AG
+
+
 def _run_single(args, **env):
     cmd = [sys.executable, "launch/pretrain.py", *args]
     return subprocess.run(cmd, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=300)

@@ -13,21 +13,53 @@ from .models import loss_fn, make_batch, make_mlp
 OPT = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
 
-def _config(opt_type: str, sparsity: float | None = None, gas: int = 1, T: int = 4) -> dict:
+def _config(opt_type: str, sparsity: float | None = None, gas: int = 1, T: int = 4, exchange: str = "dense") -> dict:
+    zero = {"stage": 3} if exchange == "sparse_replica" else {"stage": 3, "stage3_param_persistence_threshold": 0}
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "optimizer": {"type": opt_type, "params": OPT}}
+           "steps_per_print": 10**9, "zero_optimization": zero, "optimizer": {"type": opt_type, "params": OPT}}
     if sparsity is not None:
-        cfg["scape"] = {"sparsity": sparsity, "mask_refresh_interval": T, "chunk_size": 256}
+        cfg["scape"] = {"sparsity": sparsity, "mask_refresh_interval": T, "chunk_size": 256, "param_exchange": exchange}
     return cfg
 
 
 def _gathered(engine) -> torch.Tensor:
     import deepspeed
 
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
+    # what forward would use; gathering (and then releasing) a resident replica would free it
+    absent = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
+    with deepspeed.zero.GatheredParameters(absent):
         return torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+
+def _from_partitions(engine) -> torch.Tensor:
+    """Every parameter rebuilt from the ZeRO-3 partitions (the truth a replica must equal)."""
+    full = []
+    for p in engine.module.parameters():
+        pieces = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, p.ds_tensor)
+        full.append(torch.cat([x.reshape(-1) for x in pieces])[: p.ds_numel])
+    return torch.cat(full)
+
+
+class _GatherCounter:
+    """Counts DeepSpeed's all-gathers (ZeRO-3 parameter fetches) while it is on."""
+
+    def __init__(self):
+        from deepspeed.comm import comm
+
+        self.cdb, self.calls, self.on = comm.cdb, 0, False
+        for name in ("all_gather_into_tensor", "all_gather", "all_gather_coalesced"):
+            if hasattr(self.cdb, name):
+                setattr(self.cdb, name, self._counting(getattr(self.cdb, name)))
+
+    def _counting(self, fn):
+        def counted(*args, **kwargs):
+            self.calls += self.on
+            return fn(*args, **kwargs)
+        return counted
 
 
 def _equal_on_all_ranks(t: torch.Tensor) -> bool:
@@ -36,26 +68,33 @@ def _equal_on_all_ranks(t: torch.Tensor) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas):
+def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange="dense"):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import scape_ds
 
     model = make_mlp(seed=5, bias=True, norm=True)
-    engine, *_ = scape_ds.initialize(model=model, config=_config(opt_type, sparsity, gas))
-    losses, unequal, stats = [], 0, []
+    engine, *_ = scape_ds.initialize(model=model, config=_config(opt_type, sparsity, gas, exchange=exchange))
+    counter = _GatherCounter()
+    losses, unequal, stale, stats, fetches = [], 0, 0, [], []
     for step in range(steps):
         total = 0.0
+        counter.calls, counter.on = 0, True  # forward and backward: ZeRO-3's parameter fetches
         for micro in range(gas):
             x, y = make_batch(step * gas + micro, rank)
             loss = loss_fn(engine, x, y)
             engine.backward(loss)
+            if micro == gas - 1:
+                counter.on = False
             engine.step()
             total += float(loss)
+        fetches.append(counter.calls)
         t = torch.tensor([total / gas], dtype=torch.float64)
         dist.all_reduce(t)
         losses.append(float(t) / world_size)
-        unequal += not _equal_on_all_ranks(_gathered(engine))
+        gathered = _gathered(engine)
+        unequal += not _equal_on_all_ranks(gathered)
+        stale += not torch.equal(gathered, _from_partitions(engine))
         stats.append(dict(getattr(engine.optimizer, "comm_stats", {})))
     memory = None
     if hasattr(engine.optimizer, "synchronize"):
@@ -63,35 +102,50 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas):
         zopt = engine.optimizer
         memory = (zopt.memory_bytes(), 4 * sum(world_size * zopt._piece(p) for p in zopt._params),
                   sum(p.numel() for p in make_mlp(seed=5).parameters()))
-    return losses, unequal, stats, memory
+    return dict(losses=losses, unequal=unequal, stale=stale, stats=stats, memory=memory, fetches=fetches)
 
 
-def _worker_both(rank, world_size, tmp_path, steps, gas):
-    """DeepSpeed's dense ZeRO-3 with AdamS, then the SCAPE stage 3 at sparsity 0, in one process."""
-    return (_worker(rank, world_size, tmp_path, "AdamS", None, steps, gas),
-            _worker(rank, world_size, tmp_path, "ScapeAdamS", 0.0, steps, gas))
+def _worker_all(rank, world_size, tmp_path, steps, gas):
+    """DeepSpeed's dense ZeRO-3 with AdamS, then the SCAPE stage 3 at sparsity 0 in both modes, in one process."""
+    return [_worker(rank, world_size, tmp_path, "AdamS", None, steps, gas)] + \
+        [_worker(rank, world_size, tmp_path, "ScapeAdamS", 0.0, steps, gas, exchange)
+         for exchange in ("dense", "sparse_replica")]
 
 
 @pytest.mark.parametrize("gas", [1, 2])
 def test_sparsity_zero_reproduces_deepspeed_dense_zero3(tmp_path, gas):
-    dense, scape = run_ranks(_worker_both, 2, tmp_path, 20, gas)[0]
-    d, s = dense[0], scape[0]
+    dense, scape, replica = run_ranks(_worker_all, 2, tmp_path, 20, gas)[0]
+    d = dense["losses"]
     assert d[-1] < d[0]
-    assert max(abs(a - b) for a, b in zip(d, s)) < 1e-5, (d, s)
+    for run in (scape, replica):
+        assert max(abs(a - b) for a, b in zip(d, run["losses"])) < 1e-5, (d, run["losses"])
 
 
-def test_sparse_099_replicas_equal_and_reduce_scatter_cut(tmp_path):
-    results = run_ranks(_worker, 2, tmp_path, "ScapeAdamS", 0.99, 12, 1)
-    losses = results[0][0]
+@pytest.mark.parametrize("exchange", ["dense", "sparse_replica"])
+def test_sparse_099_replicas_equal_and_bytes_cut(tmp_path, exchange):
+    results = run_ranks(_worker, 2, tmp_path, "ScapeAdamS", 0.99, 12, 1, exchange)
+    losses = results[0]["losses"]
     assert losses[-1] < losses[0], losses
-    assert all(unequal == 0 for _, unequal, _, _ in results)
-    memory, ef_expected, n_params = results[0][3]
+    assert all(r["unequal"] == 0 and r["stale"] == 0 for r in results), [(r["unequal"], r["stale"]) for r in results]
+    memory, ef_expected, n_params = results[0]["memory"]
     assert memory["error_feedback"] == ef_expected >= 4 * n_params  # a full fp32 gradient-size buffer per rank
     assert memory["fp32_partitions"] == memory["momentum"] == ef_expected // 2  # ZeRO-3 holds 1/D of it (D = 2)
-    sparse = [s for s in results[0][2] if not s["dense_step"]]
+    sparse = [s for s in results[0]["stats"] if not s["dense_step"]]
     assert len(sparse) >= 8
-    for s in sparse:  # masks included
-        assert (s["by_tag"].get("grad_rs", 0) + s["by_tag"].get("mask_ag", 0)) * 30 <= s["bytes_dense"], s
+    fetches = results[0]["fetches"]
+    if exchange == "dense":
+        assert memory["replica"] == 0
+        assert all(f > 0 for f in fetches), fetches  # ZeRO-3 gathers parameters in forward and backward
+        for s in sparse:  # masks included, against ZeRO-3's dense reduce-scatter
+            assert (s["by_tag"].get("grad_rs", 0) + s["by_tag"].get("mask_ag", 0)) * 30 <= s["bytes_dense"], s
+    else:
+        assert memory["replica"] == 4 * n_params  # a full fp32 copy of every parameter
+        assert fetches[1:] == [0] * (len(fetches) - 1), fetches  # the replica: no fetch after the first forward
+        first = results[0]["stats"][0]  # a dense step sends exactly dense ZeRO-3's RS + AG (plus the first masks)
+        assert first["dense_step"] and first["by_tag"]["grad_rs"] + first["by_tag"]["param_ag"] == first["bytes_dense"]
+        for s in sparse:  # everything sent (masks, gradients, parameters) against dense ZeRO-3's RS + AG
+            assert s["bytes_sent"] * 100 <= 3 * s["bytes_dense"], s
+            assert s["by_tag"]["param_ag"] > 0
 
 
 def _worker_ef(rank, world_size, tmp_path, steps, gas):
@@ -152,7 +206,7 @@ def test_error_feedback_conserves_everything_under_zero3(tmp_path):
     assert max(w for w, _ in results) < 1e-5, results
 
 
-def _worker_resume(rank, world_size, tmp_path):
+def _worker_resume(rank, world_size, tmp_path, exchange):
     """8 steps straight == 4 steps, save, a new engine loads, 4 more (sparsity 0.99, gas 2)."""
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -160,7 +214,8 @@ def _worker_resume(rank, world_size, tmp_path):
     from scape_ds.checkpoint import load_checkpoint, save_checkpoint
 
     def engine_():
-        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=_config("ScapeAdamS", 0.99, 2, T=3))
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=_config("ScapeAdamS", 0.99, 2, T=3,
+                                                                                   exchange=exchange))
         return engine
 
     def train(engine, start, stop):
@@ -190,6 +245,7 @@ def _worker_resume(rank, world_size, tmp_path):
     return ref == part, torch.equal(ref_params, _gathered(resumed)), tag
 
 
-def test_exact_resume_under_zero3(tmp_path):
-    results = run_ranks(_worker_resume, 2, tmp_path)
+@pytest.mark.parametrize("exchange", ["dense", "sparse_replica"])
+def test_exact_resume_under_zero3(tmp_path, exchange):
+    results = run_ranks(_worker_resume, 2, tmp_path, exchange)
     assert results == [(True, True, "global_step4")] * 2, results

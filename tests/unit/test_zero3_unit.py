@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from scape_ds.optim.adams import adams
-from scape_ds.zero3 import Stage3AdamS, check_deepspeed_internals, check_stage3_config
+from scape_ds.zero3 import Stage3AdamS, check_deepspeed_internals, check_stage3_config, replica_zero_config
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -45,7 +45,6 @@ def test_masked_steps_touch_only_the_mask_and_decay_is_settled_at_the_dense_step
     (dict(zero_optimization={"stage": 3, "reduce_scatter": False}), "reduce_scatter false"),
     (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}), "offload_optimizer"),
     (dict(zero_optimization={"stage": 3}, gradient_predivide_factor=2.0), "gradient_predivide_factor"),
-    (dict(zero_optimization={"stage": 3}, scape={"param_exchange": "sparse_replica"}), "sparse_replica"),
 ])
 def test_stage3_refusals(edit, message):
     with pytest.raises(ValueError, match=message):
@@ -54,3 +53,10 @@ def test_stage3_refusals(edit, message):
 
 def test_installed_deepspeed_has_the_private_names():
     check_deepspeed_internals()  # raises naming the DeepSpeed version if they moved
+
+
+def test_sparse_replica_makes_every_parameter_persistent_and_refuses_a_threshold():
+    zero = replica_zero_config({"stage": 3})
+    assert zero["stage3_param_persistence_threshold"] == zero["stage3_model_persistence_threshold"] > 2**62
+    with pytest.raises(ValueError, match="stage3_param_persistence_threshold = 0 .*sparse_replica"):
+        replica_zero_config({"stage": 3, "stage3_param_persistence_threshold": 0})
