@@ -23,8 +23,11 @@ shaping: MPICH's hydra starts ranks through its own proxies, not inside our name
 SCAPE 0.9 and 0.99 with ``comm_backend`` "torch" (gloo) and "mpi" (mpi4py) side by side in the
 same processes, for the MPI-vs-torch step-time ratio. Writes ``bench/mpi_vs_torch_results.json``.
 ``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
-the SCAPE stage 3 at 0.9 and 0.99 (bytes: the gradient reduce-scatter and masks; ZeRO-3's
-parameter all-gathers are the same in every row). Writes ``bench/zero3_results.json``.
+the SCAPE stage 3 at 0.9 and 0.99 in both ``param_exchange`` modes. Bytes per step: what SCAPE's
+meter counts (gradient reduce-scatter, masks, and under sparse_replica the parameter all-gather;
+dense ZeRO-3's reduce-scatter by the same formula) plus DeepSpeed's own all-gathers (ZeRO-3's
+parameter fetches in forward and backward), counted at DeepSpeed's communication backend.
+Writes ``bench/zero3_results.json``.
 """
 from __future__ import annotations
 
@@ -64,10 +67,38 @@ ROWS.update({
                          "scape": {"sparsity": 0.9, "mask_refresh_interval": 100}},
     "SCAPE ZeRO-3 0.99": {"optimizer": {"type": "ScapeAdamS", "params": OPT}, "zero_optimization": _Z3,
                           "scape": {"sparsity": 0.99, "mask_refresh_interval": 100}},
+    "SCAPE ZeRO-3 0.9 replica": {"optimizer": {"type": "ScapeAdamS", "params": OPT}, "zero_optimization": {"stage": 3},
+                                 "scape": {"sparsity": 0.9, "mask_refresh_interval": 100,
+                                           "param_exchange": "sparse_replica"}},
+    "SCAPE ZeRO-3 0.99 replica": {"optimizer": {"type": "ScapeAdamS", "params": OPT}, "zero_optimization": {"stage": 3},
+                                  "scape": {"sparsity": 0.99, "mask_refresh_interval": 100,
+                                            "param_exchange": "sparse_replica"}},
 })
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
-ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99"]
+ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
+              "SCAPE ZeRO-3 0.99 replica"]
 MPI_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 (mpi)", "SCAPE 0.99", "SCAPE 0.99 (mpi)"]
+
+
+class DeepSpeedAllGatherBytes:
+    """Bytes this rank sends in DeepSpeed's own all-gathers (ZeRO-3's parameter fetches), counted at
+    DeepSpeed's communication backend: (D - 1) x the input, as SCAPE's meter counts an all-gather."""
+
+    def __init__(self):
+        from deepspeed.comm import comm
+
+        self.bytes = 0
+        cdb = comm.cdb
+        world = cdb.get_world_size()
+        for name, arg in (("all_gather_into_tensor", "input_tensor"), ("all_gather", "tensor")):
+            fn = getattr(cdb, name)
+
+            def counted(*a, _fn=fn, _arg=arg, **kw):
+                t = kw.get(_arg, a[1] if len(a) > 1 else None)
+                if t is not None and (kw.get("group") is None or cdb.get_world_size(kw["group"]) == world):
+                    self.bytes += (world - 1) * t.numel() * t.element_size()
+                return _fn(*a, **kw)
+            setattr(cdb, name, counted)
 
 
 def worker(args) -> None:
@@ -114,12 +145,17 @@ def worker(args) -> None:
         engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
         opt = scape_optimizer(engine)
         dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
-        if "zero_optimization" in extra:  # ZeRO-3: its gradient reduce-scatter (the all-gathers are the same in every row)
-            dense_bytes = getattr(opt, "_dense_rs", None) or collective_bytes("reduce_scatter", 4 * n_params, world)
-        times, sent = [], []
+        zero3 = "zero_optimization" in extra
+        if zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
+            dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
+                              for p in engine.module.parameters())
+            fetched = DeepSpeedAllGatherBytes()
+        times, sent, gathered = [], [], []
         for s in range(args.warmup + args.steps):
             x, y = batch(s)
             dist.barrier()
+            if zero3:
+                fetched.bytes = 0
             t0 = time.perf_counter()
             _, loss = engine(x, y)
             engine.backward(loss)
@@ -128,10 +164,15 @@ def worker(args) -> None:
             if s >= args.warmup:
                 times.append(dt)
                 sent.append(int(opt.comm_stats["bytes_sent"]) if opt else dense_bytes)
+                if zero3:
+                    gathered.append(fetched.bytes)
         if opt is not None:
             opt.synchronize()
         results["rows"][name] = dict(step_s=statistics.median(times), bytes=statistics.median(sent),
                                      dense_bytes=dense_bytes)
+        if zero3:  # DeepSpeed's own all-gathers (0 under sparse_replica, whose all-gather SCAPE meters)
+            results["rows"][name].update(ds_allgather_bytes=statistics.median(gathered),
+                                         total_bytes=statistics.median(a + b for a, b in zip(sent, gathered)))
         if hasattr(opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
             results["rows"][name]["memory_bytes"] = opt.memory_bytes()
         del engine, opt, model
@@ -205,7 +246,11 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
         return 2
     all_res, lines, port = [], [], 29900
     head = "mpi / torch step time" if ref is None else f"{ref} / row step time"
-    lines += [f"| ranks | row | step ms | MB sent/step | {head} |", "|---|---|---|---|---|"]
+    if ref is None:
+        lines += [f"| ranks | row | step ms | MB sent/step | {head} |", "|---|---|---|---|---|"]
+    else:  # ZeRO-3: SCAPE's metered exchanges, DeepSpeed's own parameter all-gathers, and the memory SCAPE adds
+        lines += [f"| ranks | row | step ms | MB SCAPE-metered/step | MB DeepSpeed all-gather/step | MB total/step | "
+                  f"MB held beyond ZeRO-3 (EF + masks + replica) | {head} |", "|---|---|---|---|---|---|---|---|"]
     for n in [int(v) for v in args.nodes.split(",")]:
         port += 1
         with tempfile.TemporaryDirectory() as tmp:
@@ -230,7 +275,13 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
                 ratio = f"{r['step_s'] / res['rows'][torch_row]['step_s']:.2f}" if name != torch_row else ""
             else:
                 ratio = f"{res['rows'][ref]['step_s'] / r['step_s']:.2f}x"
-            lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | {ratio} |")
+            if ref is None:
+                lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | {ratio} |")
+            else:
+                mem = r.get("memory_bytes") or {}
+                held = sum(mem.get(k, 0) for k in ("error_feedback", "masks", "replica"))
+                lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | "
+                             f"{r['ds_allgather_bytes'] / 1e6:.2f} | {r['total_bytes'] / 1e6:.2f} | {held / 1e6:.1f} | {ratio} |")
         print("\n".join(lines), flush=True)
     out = os.path.join(REPO, "bench", out_name)
     with open(out, "w") as f:
