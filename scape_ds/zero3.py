@@ -33,8 +33,11 @@ Parameter exchange (``scape.param_exchange``):
   sends ``k_p`` values per parameter. Dense steps all-gather the whole partitions. Both go through
   SCAPE's metered communicator in place of ZeRO-3's persistent-parameter all-gather.
 
-fp32 only in this version; everything else that would change what is reduced is refused at
-install (:func:`check_stage3_config`).
+Precision: fp32 and bf16 (the compute-dtype partitions, the replica and the gradients are then
+bf16; the fp32 partitions, momentum and error feedback stay fp32). The reduce-scatter always
+carries fp32 values, so nothing of the error feedback is rounded away; dense ZeRO-3's bytes are
+counted in its ``communication_data_type``. fp16 (dynamic loss scaling) is refused, and so is
+everything else that would change what is reduced (:func:`check_stage3_config`).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ __all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_de
 _PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 _NEEDED = ("grad_position", "fp32_partitioned_groups_flat", "fp16_groups", "get_param_id",
            "_get_param_partition_group", "gradient_accumulation_dtype", "dp_process_group", "overflow",
-           "persistent_parameters", "_post_step", "_partition_all_parameters")
+           "persistent_parameters", "_post_step", "_partition_all_parameters", "communication_data_type")
 
 
 def check_deepspeed_internals() -> None:
@@ -94,8 +97,6 @@ def check_stage3_config(cfg: dict) -> None:
         (float(cfg.get("gradient_predivide_factor", 1.0)) != 1.0, "gradient_predivide_factor != 1"),
         (cfg.get("prescale_gradients", False) is True, "prescale_gradients"),
         ((cfg.get("fp16") or {}).get("enabled", False), "fp16 (dynamic loss scaling with error feedback)"),
-        ((cfg.get("bf16") or {}).get("enabled", False) or (cfg.get("bfloat16") or {}).get("enabled", False),
-         "bf16 (not in this version)"),
         ((cfg.get("torch_autocast") or {}).get("enabled", False), "torch_autocast"),
     ]
     bad = [what for cond, what in refused if cond]
@@ -196,7 +197,9 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             self._flat_index = None  # id(flat fp32 partition) -> this rank's mask in it, built once per mask
             self._params = sorted((p for g in self.fp16_groups for p in g), key=lambda p: p.ds_id)
             self.comm_stats: dict = {}
-            self._dense_rs = sum(collective_bytes("reduce_scatter", self.D * self._piece(p) * 4, self.D)
+            # dense ZeRO-3 reduces in its communication dtype; SCAPE always sends fp32 (its error-feedback dtype)
+            comm_size = torch.empty(0, dtype=self.communication_data_type).element_size()
+            self._dense_rs = sum(collective_bytes("reduce_scatter", self.D * self._piece(p) * comm_size, self.D)
                                  for p in self._params)
             self.replica = self.cfg.param_exchange == "sparse_replica"
             self._dense_ag = 0  # a dense all-gather of the compute-dtype parameters (sparse_replica's dense step)
