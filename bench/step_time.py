@@ -2,6 +2,7 @@
 
     sudo python bench/step_time.py                           # 2 and 4 nodes x 1 and 10 Gbit/s
     sudo python bench/step_time.py --nodes 4 --rates 1gbit --steps 10
+    sudo python bench/step_time.py --zero3 --micro-batch 1 --seq-len 32   # + ZeRO-3 rows, less compute
 
 For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
 node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four
@@ -14,6 +15,8 @@ exchange and no optimizer step, measured in the same run) plus bytes / link rate
 wide and shallow with a small batch, so that at 1 Gbit/s the dense exchange dominates the step,
 as it does for LLMs on real clusters. Timed SCAPE steps are sparse steps (the refresh is step 0,
 in the warm-up); with dense refresh every T steps, a refresh costs about one dense step.
+``--zero3`` adds dense ZeRO-3 and the SCAPE stage 3 at 0.99 in both ``param_exchange`` modes
+(their bytes include ZeRO-3's own parameter all-gathers, counted at DeepSpeed's backend).
 Writes ``bench/step_time_results.json`` and ``bench/step_time.png`` (step time vs bandwidth).
 
     python bench/step_time.py --mpi-loopback --nodes 2,4     # no root: MPI vs torch backend
@@ -119,7 +122,7 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     train, _ = build_datasets()
     shape = dict(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    bs = BASE["train_micro_batch_size_per_gpu"]
+    bs = args.micro_batch
 
     def batch(s):
         return get_batch(train, bs, args.seq_len, s, rank, world, 0)
@@ -142,7 +145,7 @@ def worker(args) -> None:
         extra = ROWS[name]
         torch.manual_seed(0)
         model = GPT(GPTConfig(**shape))
-        engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra})
+        engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra, "train_micro_batch_size_per_gpu": bs})
         opt = scape_optimizer(engine)
         dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
         zero3 = "zero_optimization" in extra
@@ -182,6 +185,11 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def cluster_rows(args) -> list[str]:
+    """The cluster run's rows; ``--zero3`` adds dense ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
+    return CLUSTER_ROWS + (["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.99 replica"] if args.zero3 else [])
+
+
 def run_setting(nodes: int, rate: str, args, port: int) -> dict:
     from cluster import Cluster, parse_rate_bits
 
@@ -189,7 +197,8 @@ def run_setting(nodes: int, rate: str, args, port: int) -> dict:
         out = os.path.join(tmp, "r.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-               "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--rows", ",".join(CLUSTER_ROWS)]
+               "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+               "--rows", ",".join(cluster_rows(args))]
         with Cluster(nodes, rate, args.delay, master_port=port) as c:
             codes = c.wait(c.launch(cmd, env=dict(DS_ACCELERATOR="cpu"), stderr=None if args.verbose else subprocess.DEVNULL), timeout=1800)
             delay_applied = c.delay_applied
@@ -202,14 +211,17 @@ def run_setting(nodes: int, rate: str, args, port: int) -> dict:
 
 
 def report(all_res: list[dict]) -> str:
-    lines = ["| nodes | link | row | step ms | MB sent/step | speedup vs dense AdamW | floor ms | step / floor |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| nodes | link | row | step ms | MB sent/step | speedup vs dense AdamW | speedup vs dense ZeRO-3 | "
+             "floor ms | step / floor |", "|---|---|---|---|---|---|---|---|---|"]
     for res in all_res:
         ref = res["rows"]["dense AdamW"]["step_s"]
+        z3 = res["rows"].get("dense ZeRO-3 AdamS")
         for name, r in res["rows"].items():
-            floor = res["compute_s"] + r["bytes"] * 8 / res["rate_bits"]
-            lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | "
-                         f"{ref / r['step_s']:.2f}x | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} |")
+            sent = r.get("total_bytes", r["bytes"])  # ZeRO-3 rows: with DeepSpeed's own parameter all-gathers
+            floor = res["compute_s"] + sent * 8 / res["rate_bits"]
+            vs_z3 = f"{z3['step_s'] / r['step_s']:.2f}x" if z3 is not None and "ZeRO-3" in name else ""
+            lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {sent / 1e6:.2f} | "
+                         f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} |")
     return "\n".join(lines)
 
 
@@ -222,7 +234,7 @@ def plot(all_res: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for nodes in sorted({r["nodes"] for r in all_res}):
         sub = sorted((r for r in all_res if r["nodes"] == nodes), key=lambda r: r["rate_bits"])
-        for name in CLUSTER_ROWS:
+        for name in sub[0]["rows"]:
             ax.plot([r["rate_bits"] / 1e9 for r in sub], [r["rows"][name]["step_s"] * 1e3 for r in sub],
                     marker="o", linestyle="-" if nodes == 2 else "--", label=f"{name}, {nodes} nodes")
     ax.set_xscale("log")
@@ -258,7 +270,7 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
             cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--n-layer", str(args.n_layer),
                    "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len),
-                   "--rows", ",".join(rows)]
+                   "--micro-batch", str(args.micro_batch), "--rows", ",".join(rows)]
             env = dict(os.environ, MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
             print(f"-- {n} ranks under mpiexec (loopback) ...", flush=True)
             proc = subprocess.run(cmd, env=env, stderr=None if args.verbose else subprocess.DEVNULL)
@@ -301,6 +313,8 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"], help="sequences per rank")
+    ap.add_argument("--zero3", action="store_true", help="cluster run: add the ZeRO-3 rows")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")

@@ -1,6 +1,7 @@
 """SCAPE under DeepSpeed ZeRO stage 3 (scape_ds/zero3.py) on gloo ranks."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -296,3 +297,49 @@ def test_bf16_under_zero3(tmp_path):
     assert len(sparse) >= 8
     for s in sparse:  # fp32 values in the reduce-scatter, bf16 in the all-gather, vs dense bf16 RS + AG
         assert s["bytes_sent"] * 100 <= 3 * s["bytes_dense"], s
+
+
+def _worker_foreign(rank, world_size, tmp_path):
+    """The class swapped in under DeepSpeed's own optimizer (as tests/deepspeed_upstream does): exact
+    at sparsity 0, refused above it."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from scape_ds.config import parse_scape_config
+    from scape_ds.engine import _stage3_class_swapped
+    from scape_ds.zero3 import scape_stage3_class
+
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+
+    def losses(sparsity):
+        swap = _stage3_class_swapped(scape_stage3_class(parse_scape_config({"sparsity": sparsity}))) \
+            if sparsity is not None else contextlib.nullcontext()
+        with swap:
+            model = make_mlp(seed=5, bias=True, norm=True)
+            engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        out = []
+        for step in range(8):
+            x, y = make_batch(step, rank)
+            loss = loss_fn(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            out.append(float(loss))
+        return out, type(engine.optimizer).__name__
+
+    dense, scape = losses(None), losses(0.0)
+    try:
+        losses(0.5)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return dense, scape, refused
+
+
+def test_installed_under_deepspeeds_own_optimizer(tmp_path):
+    (dense, dense_cls), (scape, scape_cls), refused = run_ranks(_worker_foreign, 2, tmp_path)[0]
+    assert dense_cls == "DeepSpeedZeroOptimizer_Stage3" and scape_cls == "ScapeStage3"
+    assert max(abs(a - b) for a, b in zip(dense, scape)) < 1e-6, (dense, scape)
+    assert "Stage3AdamS at sparsity > 0" in refused, refused
