@@ -105,6 +105,9 @@ def check_stage3_config(cfg: dict) -> None:
                          f"{'it' if len(bad) == 1 else 'them'} (SCAPE would otherwise run dense or reduce the wrong values)")
 
 
+_EVERYTHING = sys.maxsize
+
+
 def replica_zero_config(zero: dict) -> dict:
     """``zero_optimization`` for ``param_exchange: "sparse_replica"``: every parameter persistent
     (a full copy on every rank, never released after use)."""
@@ -116,8 +119,6 @@ def replica_zero_config(zero: dict) -> dict:
         zero[key] = _EVERYTHING
     return zero
 
-
-_EVERYTHING = sys.maxsize
 
 
 class Stage3AdamS(torch.optim.Optimizer):
@@ -173,6 +174,7 @@ class Stage3AdamS(torch.optim.Optimizer):
 
 def scape_stage3_class(scape_cfg: ScapeConfig):
     """The ``DeepSpeedZeroOptimizer_Stage3`` subclass running SCAPE with ``scape_cfg``."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     check_deepspeed_internals()
@@ -329,8 +331,6 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             out = torch.empty(D * local.numel(), dtype=local.dtype, device=local.device)
             self.comm.all_gather(out, local, "param_ag")
             rows = torch.split(out.view(D, -1), widths, dim=1)  # (D, width) per parameter
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
             if dense:
                 for p, row in zip(params, rows):
                     full = row.reshape(-1)[: p.ds_numel].view(p.ds_shape)

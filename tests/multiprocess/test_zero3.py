@@ -69,21 +69,26 @@ def _equal_on_all_ranks(t: torch.Tensor) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange="dense"):
+def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange="dense", bf16=False, comm_dtype=None):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import scape_ds
 
     model = make_mlp(seed=5, bias=True, norm=True)
-    engine, *_ = scape_ds.initialize(model=model, config=_config(opt_type, sparsity, gas, exchange=exchange))
+    cfg = _config(opt_type, sparsity, gas, exchange=exchange)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if comm_dtype:
+        cfg["communication_data_type"] = comm_dtype
+    engine, *_ = scape_ds.initialize(model=model, config=cfg)
     counter = _GatherCounter()
-    losses, unequal, stale, stats, fetches = [], 0, 0, [], []
+    losses, unequal, stale, stats, fetches, dtypes = [], 0, 0, [], [], set()
     for step in range(steps):
         total = 0.0
         counter.calls, counter.on = 0, True  # forward and backward: ZeRO-3's parameter fetches
         for micro in range(gas):
             x, y = make_batch(step * gas + micro, rank)
-            loss = loss_fn(engine, x, y)
+            loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y) if bf16 else loss_fn(engine, x, y)
             engine.backward(loss)
             if micro == gas - 1:
                 counter.on = False
@@ -94,6 +99,7 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange
         dist.all_reduce(t)
         losses.append(float(t) / world_size)
         gathered = _gathered(engine)
+        dtypes.add(str(gathered.dtype))
         unequal += not _equal_on_all_ranks(gathered)
         stale += not torch.equal(gathered, _from_partitions(engine))
         stats.append(dict(getattr(engine.optimizer, "comm_stats", {})))
@@ -103,7 +109,7 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange
         zopt = engine.optimizer
         memory = (zopt.memory_bytes(), 4 * sum(world_size * zopt._piece(p) for p in zopt._params),
                   sum(p.numel() for p in make_mlp(seed=5).parameters()))
-    return dict(losses=losses, unequal=unequal, stale=stale, stats=stats, memory=memory, fetches=fetches)
+    return dict(losses=losses, unequal=unequal, stale=stale, stats=stats, memory=memory, fetches=fetches, dtypes=dtypes)
 
 
 def _worker_all(rank, world_size, tmp_path, steps, gas):
@@ -255,40 +261,18 @@ def test_exact_resume_under_zero3(tmp_path, exchange):
 def _worker_bf16(rank, world_size, tmp_path):
     """bf16: DeepSpeed's dense ZeRO-3 (fp32 reduce) against SCAPE at sparsity 0 in both modes, then
     SCAPE 0.99 sparse_replica with bf16 communication (DeepSpeed's default under bf16)."""
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import scape_ds
-
     runs = [("AdamS", None, "dense", "fp32"), ("ScapeAdamS", 0.0, "dense", "fp32"),
             ("ScapeAdamS", 0.0, "sparse_replica", "fp32"), ("ScapeAdamS", 0.99, "sparse_replica", None)]
-    out = []
-    for opt_type, sparsity, exchange, comm_dtype in runs:
-        cfg = _config(opt_type, sparsity, exchange=exchange)
-        cfg["bf16"] = {"enabled": True}
-        if comm_dtype:
-            cfg["communication_data_type"] = comm_dtype
-        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5, bias=True, norm=True), config=cfg)
-        losses, bad, stats = [], 0, []
-        for step in range(12):
-            x, y = make_batch(step, rank)
-            loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-            gathered = _gathered(engine)
-            bad += gathered.dtype != torch.bfloat16 or not _equal_on_all_ranks(gathered) or \
-                not torch.equal(gathered, _from_partitions(engine))
-            stats.append(dict(getattr(engine.optimizer, "comm_stats", {})))
-        if hasattr(engine.optimizer, "synchronize"):
-            engine.optimizer.synchronize()
-        out.append(dict(losses=losses, bad=bad, stats=stats))
-    return out
+    return [_worker(rank, world_size, tmp_path, opt_type, sparsity, 12, 1, exchange, bf16=True, comm_dtype=comm_dtype)
+            for opt_type, sparsity, exchange, comm_dtype in runs]
 
 
 def test_bf16_under_zero3(tmp_path):
     results = run_ranks(_worker_bf16, 2, tmp_path)
     dense, s0, s0_replica, s99 = results[0]
-    assert all(run["bad"] == 0 for r in results for run in r)  # bf16 replicas equal on every rank and to the partitions
+    for rank_runs in results:  # bf16 replicas equal on every rank and to the partitions, after every step
+        for run in rank_runs:
+            assert run["dtypes"] == {"torch.bfloat16"} and run["unequal"] == run["stale"] == 0, run["dtypes"]
     assert dense["losses"][-1] < dense["losses"][0]
     for run in (s0, s0_replica):  # same bf16 compute, both reduce in fp32
         assert max(abs(a - b) for a, b in zip(dense["losses"], run["losses"])) < 1e-5, (dense["losses"], run["losses"])
