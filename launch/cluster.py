@@ -14,8 +14,21 @@ therefore crosses two shaped links, like two NICs through a switch.
 
 The command runs once per rank, inside its node's namespace, with the torch.distributed variables
 set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR = node 0, MASTER_PORT) and GLOO_SOCKET_IFNAME=eth0,
-so gloo binds to the shaped interface. Everything created is removed on exit, on failure and on
-Ctrl-C/SIGTERM. Needs root (network namespaces and tc); without it, it says so and exits 2.
+so gloo binds to the shaped interface.
+
+With ``--mpi`` the ranks are MPI's instead: MPICH's ``mpiexec`` (hydra, from the ``mpi`` extra) runs
+in node 0's namespace with the nodes' addresses as its hosts, and starts its proxy on every node
+through a generated ``-launcher rsh -launcher-exec`` script that enters that node's namespace, so
+every rank runs inside its node and finds its rank through MPI (``deepspeed.init_distributed``'s
+MPI discovery). MPI's own traffic is pinned to TCP over ``eth0`` (``UCX_TLS=tcp``,
+``UCX_NET_DEVICES=eth0``): the emulated nodes share one kernel, and UCX would otherwise move data
+through shared memory and bypass the shaped links. ``Cluster.mpi_args()`` gives the same hydra
+arguments to a launcher that builds its own ``mpirun`` line (``deepspeed --launcher mpich
+--launcher_args ...``).
+
+Everything created is removed on exit, on failure and on Ctrl-C/SIGTERM: the processes started (and
+any process left inside the namespaces), the namespaces and the generated launcher script. Needs root
+(network namespaces and tc); without it, it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -27,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +49,12 @@ _PREFIX = "scape"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$", re.IGNORECASE)
 _DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 
-__all__ = ["Cluster", "parse_rate_bits", "need_root", "stale_namespaces"]
+__all__ = ["Cluster", "parse_rate_bits", "need_root", "stale_namespaces", "find_mpiexec"]
+
+# MPI traffic over the shaped interface only: UCX picks shared memory or CMA between processes of
+# one kernel, which would bypass the links (MPICH's own shared memory is off: hydra places every
+# node on its own host)
+MPI_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
 
 
 def parse_rate_bits(rate: str) -> float:
@@ -61,6 +80,12 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
     return proc
+
+
+def find_mpiexec() -> str | None:
+    """MPICH's ``mpiexec`` next to this Python (the ``mpi`` extra), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
 
 
 def namespaces() -> list[str]:
@@ -94,9 +119,13 @@ class Cluster:
     delay: str = "0.5ms"
     ranks_per_node: int = 1
     master_port: int = 29600
+    mtu: int = 1500
+    """MTU of every link (9000: the jumbo frames of a datacenter network, far fewer packets per byte)."""
     tag: str = field(default_factory=lambda: f"{_PREFIX}{os.getpid()}")
     created: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    scratch: str | None = None
+    """Directory of the generated MPI launcher script (made by :meth:`mpi_args`)."""
     delay_applied: bool | None = None
     """Whether netem added --delay (None before build; False where the kernel lacks sch_netem)."""
 
@@ -108,6 +137,8 @@ class Cluster:
         self.rate_bits = parse_rate_bits(self.rate)
         if not _DELAY.match(self.delay):
             raise ValueError(f"delay must look like 0.5ms or 100us, got {self.delay!r}")
+        if not 576 <= self.mtu <= 65535:
+            raise ValueError(f"mtu must be in [576, 65535], got {self.mtu}")
 
     # -- names ---------------------------------------------------------------------------------
     @property
@@ -171,7 +202,8 @@ class Cluster:
             self.created.append(ns)
             _sh("ip", "link", "add", f"h{i}", "netns", self.hub, "type", "veth", "peer", "name", "eth0", "netns", ns)
             self._ns(self.hub, "ip", "link", "set", f"h{i}", "master", "br0")
-            self._ns(self.hub, "ip", "link", "set", f"h{i}", "up")
+            self._ns(self.hub, "ip", "link", "set", f"h{i}", "mtu", str(self.mtu), "up")
+            self._ns(ns, "ip", "link", "set", "eth0", "mtu", str(self.mtu))
             self._ns(ns, "ip", "link", "set", "lo", "up")
             self._ns(ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
             self._ns(ns, "ip", "link", "set", "eth0", "up")
@@ -202,12 +234,24 @@ class Cluster:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        self._kill_namespace_pids()
         for ns in reversed(self.created):
             _sh("ip", "netns", "del", ns, check=False)
         self.created.clear()
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
         for s, h in getattr(self, "_old_handlers", {}).items():
             signal.signal(s, h)
         self._old_handlers = {}
+
+    def _kill_namespace_pids(self) -> None:
+        """SIGKILL whatever still runs inside our namespaces (e.g. MPI ranks whose mpiexec died)."""
+        for ns in self.created:
+            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
 
     # -- running ranks ------------------------------------------------------------------------
     def rank_env(self, rank: int, extra: dict | None = None) -> dict:
@@ -227,6 +271,48 @@ class Cluster:
             procs.append(p)
             self.procs.append(p)
         return procs
+
+    def mpi_args(self, hosts: bool = True) -> list[str]:
+        """Hydra arguments that start one proxy per node inside its namespace (``mpiexec`` must run in
+        node 0's namespace): ``-launcher rsh -launcher-exec <script> -iface eth0 [-hosts <node IPs>]``.
+        ``hosts=False`` for a launcher that writes its own ``-hosts`` (DeepSpeed's, from a hostfile)."""
+        if self.scratch is None:
+            self.scratch = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        script = os.path.join(self.scratch, "enter_node.sh")
+        cases = "\n".join(f"  {self.ip(i)}) ns={self.node(i)} ;;" for i in range(self.nodes))
+        with open(script, "w") as f:  # hydra calls: <script> <host> <proxy command line>
+            f.write(f"#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}\n"
+                    f"  *) echo \"enter_node.sh: unknown node $host\" >&2; exit 2 ;;\nesac\n"
+                    f"exec ip netns exec $ns sh -c \"$*\"\n")
+        os.chmod(script, 0o700)
+        args = ["-launcher", "rsh", "-launcher-exec", script, "-iface", "eth0"]
+        return args + (["-hosts", ",".join(self.ip(i) for i in range(self.nodes))] if hosts else [])
+
+    def mpi_env(self, extra: dict | None = None) -> dict:
+        """Environment of an MPI job in this cluster: MASTER_PORT, gloo and MPI on ``eth0``."""
+        env = dict(os.environ, MASTER_PORT=str(self.master_port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+                   **MPI_ENV)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):  # MPI decides these
+            env.pop(key, None)
+        env.update(extra or {})
+        return env
+
+    def launch_mpi(self, cmd: list[str], env: dict | None = None, mpiexec: str | None = None,
+                   **popen) -> subprocess.Popen:
+        """Start ``cmd`` on every rank with MPICH's ``mpiexec`` (hydra) across the nodes, each rank
+        inside its node's namespace (``ranks_per_node`` per node); returns the mpiexec process.
+
+        Raises:
+            RuntimeError: no ``mpiexec`` (install the ``mpi`` extra).
+        """
+        mpiexec = mpiexec or find_mpiexec()
+        if mpiexec is None:
+            raise RuntimeError("no mpiexec found: pip install 'scape_ds[mpi]' (MPICH and mpi4py)")
+        full = ["ip", "netns", "exec", self.node(0), mpiexec, *self.mpi_args(), "-ppn", str(self.ranks_per_node),
+                "-n", str(self.world_size), *cmd]
+        p = subprocess.Popen(full, env=self.mpi_env(env), **popen)
+        self.procs.append(p)
+        return p
 
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int]:
         """Wait for every process; if one fails, end the rest; return the exit codes."""
@@ -254,6 +340,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="1gbit", help="link bandwidth each way (tc tbf), e.g. 1gbit, 10gbit")
     ap.add_argument("--delay", default="0.5ms", help="one-way latency added on each node's egress (tc netem)")
     ap.add_argument("--master-port", type=int, default=29600)
+    ap.add_argument("--mtu", type=int, default=1500, help="link MTU (9000 for jumbo frames)")
+    ap.add_argument("--mpi", action="store_true",
+                    help="start the ranks with MPICH's mpiexec across the nodes (ranks from MPI) instead of one "
+                         "process per rank with RANK/WORLD_SIZE set")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before the ranks are ended")
     ap.add_argument("--cleanup-stale", action="store_true", help="delete namespaces left by killed runs, then exit")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command to run on every rank")
@@ -272,10 +362,11 @@ def main(argv=None) -> int:
         print("cluster.py: error: give the command to run after --", file=sys.stderr)
         return 2
     try:
-        with Cluster(args.nodes, args.rate, args.delay, args.ranks_per_node, args.master_port) as c:
+        with Cluster(args.nodes, args.rate, args.delay, args.ranks_per_node, args.master_port, args.mtu) as c:
             print(f"cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, links {args.rate} each way, "
-                  f"{args.delay} one-way delay; node 0 at {c.ip(0)}", flush=True)
-            codes = c.wait(c.launch(cmd), args.timeout)
+                  f"{args.delay} one-way delay; node 0 at {c.ip(0)}{'; ranks started by mpiexec' if args.mpi else ''}",
+                  flush=True)
+            codes = c.wait([c.launch_mpi(cmd)] if args.mpi else c.launch(cmd), args.timeout)
     except (ValueError, PermissionError, RuntimeError) as e:
         print(f"cluster.py: error: {e}", file=sys.stderr)
         return 2
@@ -284,7 +375,8 @@ def main(argv=None) -> int:
         return 130
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad:
-        print(f"cluster: ranks failed (rank, exit code): {bad}", file=sys.stderr)
+        what = f"mpiexec exited {bad[0][1]}" if args.mpi else f"ranks failed (rank, exit code): {bad}"
+        print(f"cluster: {what}", file=sys.stderr)
         return 1
     return 0
 

@@ -5,16 +5,23 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "launch"))
 
-from cluster import Cluster, main, namespaces, need_root, parse_rate_bits  # noqa: E402
+from cluster import Cluster, find_mpiexec, main, namespaces, need_root, parse_rate_bits  # noqa: E402
 
 NO_ROOT = need_root()
+NO_MPI = None if find_mpiexec() else "no mpiexec: install the mpi extra (pip install -e '.[mpi]')"
 pytestmark = pytest.mark.timeout(300)
+BW_SCRIPT = os.path.join(REPO, "tests", "cluster", "allreduce_bw.py")
+
+
+def _bw_lines(stdout: str) -> dict:
+    return {r["backend"]: r for r in (json.loads(l[3:]) for l in stdout.splitlines() if l.startswith("BW "))}
 
 
 def test_rate_parsing_and_bad_values():
@@ -23,6 +30,8 @@ def test_rate_parsing_and_bad_values():
         parse_rate_bits("1GB/s")
     with pytest.raises(ValueError, match="delay must look like"):
         Cluster(2, "1gbit", "fast")
+    with pytest.raises(ValueError, match="mtu must be in"):
+        Cluster(2, "1gbit", mtu=100)
 
 
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
@@ -31,12 +40,11 @@ def test_two_node_allreduce_crosses_shaped_link_at_set_bandwidth_and_cleans_up()
     with Cluster(2, "1gbit", "0.5ms", master_port=29671) as c:
         mine = set(namespaces()) - before
         assert mine == {c.hub, c.node(0), c.node(1)}
-        procs = c.launch([sys.executable, os.path.join(REPO, "tests", "cluster", "allreduce_bw.py"), "64", "3"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        procs = c.launch([sys.executable, BW_SCRIPT, "64", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
         assert c.wait(procs, 180) == [0, 0]
-        line = [l for l in procs[0].stdout.read().splitlines() if l.startswith("BW ")]
-    res = json.loads(line[0][3:])
-    assert res["world"] == 2 and res["bytes_sent"] == 64 * 2**20
+        res = _bw_lines(procs[0].stdout.read())["gloo"]
+    assert res["world"] == 2 and res["bytes_sent"] == 64 * 2**20 and res["addrs"] == [c.ip(0)]
     assert 0.7e9 <= res["bits_per_s"] <= 1.3e9, res  # within 30% of the 1 Gbit/s link
     assert not (set(namespaces()) - before), "namespaces left behind"
 
@@ -54,3 +62,61 @@ def test_without_root_says_so(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["--nodes", "2", "--", "true"]) == 2
     assert "needs root" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
+def test_mpiexec_starts_every_rank_inside_its_node_and_mpi_crosses_the_shaped_link():
+    before = set(namespaces())
+    with Cluster(2, "1gbit", "0.5ms", master_port=29673) as c:
+        proc = c.launch_mpi([sys.executable, BW_SCRIPT, "32", "3", "--mpi"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+        assert c.wait([proc], 180) == [0]
+        res = _bw_lines(proc.stdout.read())
+        script_dir = c.scratch
+    assert set(res) == {"mpi", "gloo"}
+    for backend in ("mpi", "gloo"):
+        # each rank reports its own node's address: hydra's proxies ran inside the namespaces
+        assert res[backend]["world"] == 2 and res[backend]["addrs"] == [c.ip(0), c.ip(1)], res
+        # MPI's data crossed the 1 Gbit/s links (shared memory between the ranks would be ~10x faster)
+        assert 0.7e9 <= res[backend]["bits_per_s"] <= 1.3e9, res
+    assert not (set(namespaces()) - before), "namespaces left behind"
+    assert not os.path.exists(script_dir), "launcher script left behind"
+
+
+@pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
+def test_killed_rank_ends_an_mpi_job_and_everything_is_removed():
+    before = set(namespaces())
+    t0 = time.monotonic()
+    code = main(["--nodes", "2", "--mpi", "--master-port", "29674", "--timeout", "120", "--", sys.executable, "-c",
+                 "from mpi4py import MPI; import os,time; "
+                 "os.kill(os.getpid(), 9) if MPI.COMM_WORLD.rank == 1 else time.sleep(100)"])
+    assert code == 1
+    assert time.monotonic() - t0 < 60, "mpiexec waited for the sleeping rank instead of ending the job"
+    assert set(namespaces()) == before
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
+def test_deepspeed_launcher_with_mpich_trains_across_emulated_nodes(tmp_path):
+    """``deepspeed --launcher mpich`` (DeepSpeed's own launcher, hydra under it) over two emulated
+    nodes, with SCAPE's exchange over the mpi4py backend."""
+    bin_dir = os.path.dirname(sys.executable)
+    metrics = tmp_path / "m.jsonl"
+    with Cluster(2, "1gbit", "0.5ms", master_port=29675) as c:
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"{c.ip(i)} slots=1\n" for i in range(c.nodes)))
+        cmd = ["ip", "netns", "exec", c.node(0), os.path.join(bin_dir, "deepspeed"), "--hostfile", str(hostfile),
+               "--launcher", "mpich", "--launcher_args", " ".join(c.mpi_args(hosts=False)), "--master_addr", c.ip(0),
+               "--master_port", str(c.master_port), "--no_ssh_check", "launch/pretrain.py",
+               "--deepspeed_config", "ds_configs/scape_mpi.json", "--train-iters", "12", "--log-interval", "6",
+               "--eval-interval", "12", "--metrics-out", str(metrics), "--no-progress"]
+        env = c.mpi_env(dict(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), DS_ACCELERATOR="cpu"))
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        c.procs.append(proc)
+        out = proc.communicate(timeout=360)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert "mpirun -n 2 -ppn 1 -launcher rsh" in out  # DeepSpeed's MPICH runner built the job
+    assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in out
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])
