@@ -21,8 +21,12 @@ Writes ``bench/step_time_results.json`` and ``bench/step_time.png`` (step time v
 
     python bench/step_time.py --mpi-loopback --nodes 2,4     # no root: MPI vs torch backend
 
-``--mpi-loopback`` starts the ranks with the venv's ``mpiexec`` on this machine's loopback (no
-shaping: MPICH's hydra starts ranks through its own proxies, not inside our namespaces) and times
+    sudo python bench/step_time.py --mpi --micro-batch 1   # ranks from mpiexec, + the mpi-backend rows
+
+``--mpi`` starts the cluster's ranks with MPICH's ``mpiexec`` inside the nodes (``Cluster.launch_mpi``)
+and adds SCAPE 0.9 and 0.99 over the mpi4py backend, each timed in the same job as its torch row
+(the "mpi / torch backend" column). ``--mpi-loopback`` starts the ranks with the venv's ``mpiexec``
+on this machine's loopback (no shaping) and times
 SCAPE 0.9 and 0.99 with ``comm_backend`` "torch" (gloo) and "mpi" (mpi4py) side by side in the
 same processes, for the MPI-vs-torch step-time ratio. Writes ``bench/mpi_vs_torch_results.json``.
 ``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
@@ -186,8 +190,14 @@ def worker(args) -> None:
 
 
 def cluster_rows(args) -> list[str]:
-    """The cluster run's rows; ``--zero3`` adds dense ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
-    return CLUSTER_ROWS + (["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.99 replica"] if args.zero3 else [])
+    """The cluster run's rows; ``--mpi`` adds SCAPE 0.9 and 0.99 over the mpi4py backend, ``--zero3`` dense
+    ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
+    rows = list(CLUSTER_ROWS)
+    if args.mpi:
+        rows += ["SCAPE 0.9 (mpi)", "SCAPE 0.99 (mpi)"]
+    if args.zero3:
+        rows += ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.99 replica"]
+    return rows
 
 
 def run_setting(nodes: int, rate: str, args, port: int) -> dict:
@@ -200,19 +210,23 @@ def run_setting(nodes: int, rate: str, args, port: int) -> dict:
                "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                "--rows", ",".join(cluster_rows(args))]
         with Cluster(nodes, rate, args.delay, master_port=port) as c:
-            codes = c.wait(c.launch(cmd, env=dict(DS_ACCELERATOR="cpu"), stderr=None if args.verbose else subprocess.DEVNULL), timeout=1800)
+            env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
+            # --mpi: MPI starts the ranks inside the nodes (both backends then run in the same job)
+            procs = [c.launch_mpi(cmd, env=env, stderr=err)] if args.mpi else c.launch(cmd, env=env, stderr=err)
+            codes = c.wait(procs, timeout=1800)
             delay_applied = c.delay_applied
-        if codes != [0] * nodes:
-            raise RuntimeError(f"{nodes} nodes at {rate}: ranks exited {codes}")
+        if any(codes):
+            raise RuntimeError(f"{nodes} nodes at {rate}: {'mpiexec' if args.mpi else 'ranks'} exited {codes}")
         with open(out) as f:
             res = json.load(f)
-    res.update(nodes=nodes, rate=rate, rate_bits=parse_rate_bits(rate), delay=args.delay, delay_applied=delay_applied)
+    res.update(nodes=nodes, rate=rate, rate_bits=parse_rate_bits(rate), delay=args.delay, delay_applied=delay_applied,
+               launcher="mpiexec" if args.mpi else "cluster", micro_batch=args.micro_batch, seq_len=args.seq_len)
     return res
 
 
 def report(all_res: list[dict]) -> str:
     lines = ["| nodes | link | row | step ms | MB sent/step | speedup vs dense AdamW | speedup vs dense ZeRO-3 | "
-             "floor ms | step / floor |", "|---|---|---|---|---|---|---|---|---|"]
+             "floor ms | step / floor | mpi / torch backend |", "|---|---|---|---|---|---|---|---|---|---|"]
     for res in all_res:
         ref = res["rows"]["dense AdamW"]["step_s"]
         z3 = res["rows"].get("dense ZeRO-3 AdamS")
@@ -220,8 +234,10 @@ def report(all_res: list[dict]) -> str:
             sent = r.get("total_bytes", r["bytes"])  # ZeRO-3 rows: with DeepSpeed's own parameter all-gathers
             floor = res["compute_s"] + sent * 8 / res["rate_bits"]
             vs_z3 = f"{z3['step_s'] / r['step_s']:.2f}x" if z3 is not None and "ZeRO-3" in name else ""
+            torch_row = res["rows"].get(name.replace(" (mpi)", "")) if name.endswith(" (mpi)") else None
+            vs_torch = f"{r['step_s'] / torch_row['step_s']:.2f}" if torch_row else ""
             lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {sent / 1e6:.2f} | "
-                         f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} |")
+                         f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} | {vs_torch} |")
     return "\n".join(lines)
 
 
@@ -315,6 +331,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"], help="sequences per rank")
     ap.add_argument("--zero3", action="store_true", help="cluster run: add the ZeRO-3 rows")
+    ap.add_argument("--mpi", action="store_true",
+                    help="cluster run: start the ranks with mpiexec inside the nodes and add the mpi-backend rows")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")
