@@ -242,25 +242,38 @@ def report(all_res: list[dict]) -> str:
 
 
 def plot(all_res: list[dict], path: str) -> None:
+    """Step time vs link bandwidth, one panel per node count; one colour per row (the same in every
+    panel), the floor of each SCAPE row dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for nodes in sorted({r["nodes"] for r in all_res}):
+    node_counts = sorted({r["nodes"] for r in all_res})
+    names = list(all_res[0]["rows"])
+    colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, len(node_counts), figsize=(6 * len(node_counts) + 2.5, 5), sharey=True, squeeze=False)
+    for ax, nodes in zip(axes[0], node_counts):
         sub = sorted((r for r in all_res if r["nodes"] == nodes), key=lambda r: r["rate_bits"])
-        for name in sub[0]["rows"]:
-            ax.plot([r["rate_bits"] / 1e9 for r in sub], [r["rows"][name]["step_s"] * 1e3 for r in sub],
-                    marker="o", linestyle="-" if nodes == 2 else "--", label=f"{name}, {nodes} nodes")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link bandwidth (Gbit/s, tc tbf)")
-    ax.set_ylabel("median step time (ms)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+        gbit = [r["rate_bits"] / 1e9 for r in sub]
+        for name in names:
+            style = "--" if name.endswith("(mpi)") else "-"
+            ax.plot(gbit, [r["rows"][name]["step_s"] * 1e3 for r in sub], style, marker="o", color=colours[name],
+                    label=name)
+            if name.startswith("SCAPE") and not name.endswith("(mpi)"):
+                floor = [(r["compute_s"] + r["rows"][name].get("total_bytes", r["rows"][name]["bytes"]) * 8
+                          / r["rate_bits"]) * 1e3 for r in sub]
+                ax.plot(gbit, floor, ":", color=colours[name], alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(gbit, [f"{g:g}" for g in gbit])
+        ax.set_title(f"{nodes} nodes, one rank each")
+        ax.set_xlabel("link bandwidth (Gbit/s, tc tbf)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("median step time (ms); dotted: floor")
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -337,6 +350,7 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")
     ap.add_argument("--zero3-loopback", action="store_true", help="dense ZeRO-3 vs SCAPE stage 3 on loopback")
+    ap.add_argument("--replot", action="store_true", help="redraw step_time.png and the table from --out, run nothing")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", default=",".join(CLUSTER_ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -347,6 +361,12 @@ def main() -> int:
         return mpi_loopback(args)
     if args.zero3_loopback:
         return mpi_loopback(args, ZERO3_ROWS, "zero3_results.json", ref="dense ZeRO-3 AdamS")
+    if args.replot:
+        with open(args.out) as f:
+            all_res = json.load(f)
+        print(report(all_res))
+        plot(all_res, os.path.join(os.path.dirname(args.out), "step_time.png"))
+        return 0
     from cluster import need_root
 
     reason = need_root()
