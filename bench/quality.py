@@ -1,6 +1,7 @@
 """Quality sweep: validation loss of SCAPE vs dense AdamW/AdamS vs raw-gradient top-k, same everything else.
 
-    python bench/quality.py                        # the whole sweep, ~60 min on 2 CPU cores
+    python bench/quality.py --runs comparison,sweep   # the issue's comparison and refresh sweep, ~45 min on 2 cores
+    python bench/quality.py                        # everything (also the lr 1e-3 set), ~2 h on 2 CPU cores
     python bench/quality.py --runs adamw,scape99 --train-iters 300
     python bench/quality.py --plot-only            # redraw the table and plot from saved results
 
@@ -17,7 +18,9 @@ are skipped unless --force, so an interrupted sweep resumes. At the end it print
 Runs (``--runs``): the comparison ``adamw adams scape90 scape99 topk99 scape99_sparse`` and the
 refresh sweep at 0.99 ``scape99_T10 scape99_T50 scape99_T200 scape99_sparse_T1 scape99_sparse_T10``
 (``scape99`` is T=100 with dense refresh, ``scape99_sparse`` T=100 with sparse refresh), and the
-learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3).
+learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3), with the refresh sweep
+repeated at lr 1e-3 (T=10, 25, 50, 100, 200; sparse refresh T=1, 10), random-k at 0.99 and SCAPE 0.95.
+Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``all``.
 """
 from __future__ import annotations
 
@@ -56,10 +59,39 @@ RUNS: dict[str, tuple] = {
     "adamw_lr1e-3": ("dense AdamW, lr 1e-3", "dense_adamw.json", {}, dict(lr=1e-3)),
     "topk99_lr1e-3": ("grad top-k + EF 0.99, T=100, lr 1e-3", "topk.json", {}, dict(lr=1e-3)),
     "scape99_T50_lr1e-3": ("SCAPE 0.99, T=50, lr 1e-3", "scape.json", dict(mask_refresh_interval=50), dict(lr=1e-3)),
+    # the refresh sweep again at lr 1e-3, where dense AdamS is healthy (it stalls at 3e-3), and random-k
+    "scape99_T10_lr1e-3": ("SCAPE 0.99, T=10, lr 1e-3", "scape.json", dict(mask_refresh_interval=10), dict(lr=1e-3)),
+    "scape99_T25_lr1e-3": ("SCAPE 0.99, T=25, lr 1e-3", "scape.json", dict(mask_refresh_interval=25), dict(lr=1e-3)),
+    "scape99_T200_lr1e-3": ("SCAPE 0.99, T=200, lr 1e-3", "scape.json", dict(mask_refresh_interval=200),
+                            dict(lr=1e-3)),
+    "scape99_sparse_T1_lr1e-3": ("SCAPE 0.99, sparse refresh T=1, lr 1e-3", "scape.json",
+                                 dict(dense_refresh=False, mask_refresh_interval=1), dict(lr=1e-3)),
+    "scape99_sparse_T10_lr1e-3": ("SCAPE 0.99, sparse refresh T=10, lr 1e-3", "scape.json",
+                                  dict(dense_refresh=False, mask_refresh_interval=10), dict(lr=1e-3)),
+    "randk99_lr1e-3": ("random-k + EF 0.99, T=100, lr 1e-3", "scape.json", dict(compressor="randk"), dict(lr=1e-3)),
+    # bytes spent on density instead of refreshes: about the bytes of 0.99 at T=25
+    "scape95_lr1e-3": ("SCAPE 0.95, T=100, lr 1e-3", "scape.json", dict(sparsity=0.95), dict(lr=1e-3)),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
 LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3", "adamw_lr1e-3", "topk99_lr1e-3", "scape99_T50_lr1e-3"]
+SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3", "scape99_sparse_T1_lr1e-3",
+               "scape99_sparse_T10_lr1e-3", "randk99_lr1e-3", "scape95_lr1e-3"]
+GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3,
+          "all": COMPARISON + SWEEP + LR_CHECK + SWEEP_LR1E3}
+
+
+def expand_runs(spec: str) -> list[str]:
+    """``--runs``: comma-separated run names and group names (``comparison``, ``sweep``, ``lr1e-3``,
+    ``all``), in order, without repeats. An unknown name raises ``ValueError``."""
+    names: list[str] = []
+    for item in (x.strip() for x in spec.split(",")):
+        for n in GROUPS.get(item, [item] if item else []):
+            if n not in RUNS:
+                raise ValueError(f"unknown run {n!r}; choose from the groups {', '.join(GROUPS)} or {', '.join(RUNS)}")
+            if n not in names:
+                names.append(n)
+    return names
 
 
 def make_config(name: str, train_iters: int, micro_batch: int, warmup: int) -> dict:
@@ -179,36 +211,49 @@ def table(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path: str) -> None:
+    """Validation loss vs step: the lr 3e-3 runs on the left, the lr 1e-3 runs on the right (each
+    panel with dense AdamW at lr 3e-3, the reference of the ratio column, dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results.values():
-        steps, vals = zip(*r["curve"])
-        ax.plot(steps, vals, marker=".", label=r["label"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("GPT on the World English Bible, 2 ranks, same data, schedule and seed")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [("lr 3e-3", [n for n in results if not n.endswith("_lr1e-3")]),
+              ("lr 1e-3", [n for n in results if n.endswith("_lr1e-3")])]
+    panels = [(title, names) for title, names in panels if names]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), sharey=True, squeeze=False)
+    colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # 20 distinct: a panel has up to 14 runs
+    for ax, (title, names) in zip(axes[0], panels):
+        ax.set_prop_cycle(color=colors)
+        if "adamw" in results and "adamw" not in names:
+            steps, vals = zip(*results["adamw"]["curve"])
+            ax.plot(steps, vals, "k--", label=results["adamw"]["label"] + " (lr 3e-3)")
+        for n in names:
+            steps, vals = zip(*results[n]["curve"])
+            ax.plot(steps, vals, marker=".", label=results[n]["label"])
+        ax.set_title(f"{title}: GPT on the World English Bible, 2 ranks")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("validation loss (nats/byte)")
+    axes[0][0].set_ylim(top=3.2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--runs", default=",".join(COMPARISON + SWEEP + LR_CHECK), help="comma-separated run names")
+    ap.add_argument("--runs", default="all",
+                    help="comma-separated run names or groups: " + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "quality_results"))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--train-iters", type=int, default=1500)
     ap.add_argument("--force", action="store_true", help="rerun runs that already have results")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
-    names = [n for n in args.runs.split(",") if n]
     try:
+        names = expand_runs(args.runs)
         if args.plot_only:
             results = load_results(names, args.out)
         else:

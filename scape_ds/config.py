@@ -30,7 +30,10 @@ class ScapeConfig(BaseModel):
     """Fraction of coordinates *not* sent on a sparse step, in [0, 1). Density rho = 1 - sparsity."""
 
     mask_refresh_interval: int = 100
-    """T: a new mask every T steps; with ``dense_refresh`` that step is a dense exchange."""
+    """T: a new mask every T steps; with ``dense_refresh`` that step is a dense exchange. 100 from the
+    sweep in bench/RESULTS.md: at 0.99 the refreshes are then a third of the bytes (2.8% of dense);
+    a shorter T lowers the loss smoothly but at a worse bytes-for-loss rate than a lower ``sparsity``
+    (0.9 at T=100 beats 0.99 at T=10 at the same bytes)."""
 
     chunk_size: int = 4096
     """C: masks keep a fixed kc = round(rho * C) coordinates in every chunk of C elements; a power
@@ -38,7 +41,8 @@ class ScapeConfig(BaseModel):
 
     dense_refresh: bool = True
     """Refresh steps exchange the whole error-feedback-corrected gradient (flushes all residuals)
-    and select the next mask from the fresh momentum. False: sparse refresh with exploration."""
+    and select the next mask from the fresh momentum. False: sparse refresh with exploration (saves
+    under 1% of the dense bytes at 0.99 and was worse at every T measured in bench/RESULTS.md)."""
 
     exploration: float = 0.1
     """With ``dense_refresh=false``: share of each chunk's kc chosen at random from a seed (so
