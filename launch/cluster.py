@@ -26,9 +26,11 @@ through shared memory and bypass the shaped links. ``Cluster.mpi_args()`` gives 
 arguments to a launcher that builds its own ``mpirun`` line (``deepspeed --launcher mpich
 --launcher_args ...``).
 
-Everything created is removed on exit, on failure and on Ctrl-C/SIGTERM: the processes started (and
-any process left inside the namespaces), the namespaces and the generated launcher script. Needs root
-(network namespaces and tc); without it, it says so and exits 2.
+Everything created is removed on exit, on failure and on Ctrl-C/SIGTERM (a second one during the
+clean-up is ignored): the processes started, and any process left inside the namespaces that carries
+the cluster's ``SCAPE_CLUSTER_TAG`` (ranks whose mpiexec died, their children; other processes there
+are named, not killed), the namespaces and the generated launcher script. Needs root (network
+namespaces and tc); without it, it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -36,16 +38,20 @@ import argparse
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 SUBNET = "10.77.0"
 _PREFIX = "scape"
+MARKER = "SCAPE_CLUSTER_TAG"
+"""Environment variable set to the cluster's tag in every process it starts (found again at close)."""
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$", re.IGNORECASE)
 _DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 
@@ -101,6 +107,31 @@ def stale_namespaces() -> list[str]:
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             stale.append(ns)
     return stale
+
+
+def _marked(pid: str, tag: str) -> bool:
+    """Whether process ``pid`` carries ``SCAPE_CLUSTER_TAG=<tag>`` in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{MARKER}={tag}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_marked(namespaces: list[str], tag: str, timeout: float = 5.0) -> list[int]:
+    """SIGKILL every process in ``namespaces`` whose environment carries the cluster's marker,
+    again until none is left (children forked meanwhile) or ``timeout``; returns the PIDs there
+    without the marker, which are not touched."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [pid for ns in namespaces for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+        ours = [pid for pid in pids if _marked(pid, tag)]
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        if not ours or time.monotonic() > deadline:
+            return sorted(int(pid) for pid in pids if pid not in ours)
+        time.sleep(0.1)
 
 
 @dataclass
@@ -223,7 +254,21 @@ class Cluster:
         raise RuntimeError(f"links did not come up within {timeout} s: {states}")
 
     def close(self) -> None:
-        """End the processes this cluster started (by PID) and delete every namespace it made."""
+        """End the processes this cluster started and delete every namespace it made. Ctrl-C,
+        SIGTERM and SIGHUP are ignored until that is done, so a second one cannot cut it short."""
+        main = threading.current_thread() is threading.main_thread()
+        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
+        try:
+            self._teardown()
+        finally:
+            for s, h in held.items():
+                signal.signal(s, h)
+            if main:
+                for s, h in getattr(self, "_old_handlers", {}).items():
+                    signal.signal(s, h)
+            self._old_handlers = {}
+
+    def _teardown(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -241,24 +286,21 @@ class Cluster:
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
-        for s, h in getattr(self, "_old_handlers", {}).items():
-            signal.signal(s, h)
-        self._old_handlers = {}
 
     def _kill_namespace_pids(self) -> None:
-        """SIGKILL whatever still runs inside our namespaces (e.g. MPI ranks whose mpiexec died)."""
-        for ns in self.created:
-            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+        """SIGKILL what this cluster started that still runs in its namespaces (e.g. MPI ranks whose
+        mpiexec died); other processes there (a debugging shell) are left and named."""
+        left = kill_marked(self.created, self.tag)
+        if left:
+            print(f"cluster: warning: processes not started by this cluster still run in its namespaces: {left}",
+                  file=sys.stderr, flush=True)
 
     # -- running ranks ------------------------------------------------------------------------
     def rank_env(self, rank: int, extra: dict | None = None) -> dict:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world_size),
                    LOCAL_RANK=str(rank % self.ranks_per_node), MASTER_ADDR=self.ip(0),
                    MASTER_PORT=str(self.master_port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-                   SCAPE_CLUSTER_NODE=str(rank // self.ranks_per_node))
+                   SCAPE_CLUSTER_NODE=str(rank // self.ranks_per_node), **{MARKER: self.tag})
         env.update(extra or {})
         return env
 
@@ -283,7 +325,7 @@ class Cluster:
         with open(script, "w") as f:  # hydra calls: <script> <host> <proxy command line>
             f.write(f"#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}\n"
                     f"  *) echo \"enter_node.sh: unknown node $host\" >&2; exit 2 ;;\nesac\n"
-                    f"exec ip netns exec $ns sh -c \"$*\"\n")
+                    f"exec {shlex.quote(shutil.which('ip') or 'ip')} netns exec \"$ns\" sh -c \"$*\"\n")
         os.chmod(script, 0o700)
         args = ["-launcher", "rsh", "-launcher-exec", script, "-iface", "eth0"]
         return args + (["-hosts", ",".join(self.ip(i) for i in range(self.nodes))] if hosts else [])
@@ -291,7 +333,7 @@ class Cluster:
     def mpi_env(self, extra: dict | None = None) -> dict:
         """Environment of an MPI job in this cluster: MASTER_PORT, gloo and MPI on ``eth0``."""
         env = dict(os.environ, MASTER_PORT=str(self.master_port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-                   **MPI_ENV)
+                   **MPI_ENV, **{MARKER: self.tag})
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):  # MPI decides these
             env.pop(key, None)
         env.update(extra or {})
@@ -345,7 +387,8 @@ def main(argv=None) -> int:
                     help="start the ranks with MPICH's mpiexec across the nodes (ranks from MPI) instead of one "
                          "process per rank with RANK/WORLD_SIZE set")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before the ranks are ended")
-    ap.add_argument("--cleanup-stale", action="store_true", help="delete namespaces left by killed runs, then exit")
+    ap.add_argument("--cleanup-stale", action="store_true", help="delete namespaces left by killed runs (after killing the processes those runs left "
+                         "in them), then exit")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command to run on every rank")
     args = ap.parse_args(argv)
     reason = need_root()
@@ -354,6 +397,10 @@ def main(argv=None) -> int:
         return 2
     if args.cleanup_stale:
         for ns in stale_namespaces():
+            tag = re.sub(r"(n\d+|hub)$", "", ns)
+            left = kill_marked([ns], tag)
+            if left:
+                print(f"{ns}: left running (not started by a cluster): {left}")
             _sh("ip", "netns", "del", ns, check=False)
             print(f"deleted {ns}")
         return 0

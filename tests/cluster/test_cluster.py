@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +21,11 @@ NO_ROOT = need_root()
 NO_MPI = None if find_mpiexec() else "no mpiexec: install the mpi extra (pip install -e '.[mpi]')"
 pytestmark = pytest.mark.timeout(300)
 BW_SCRIPT = os.path.join(REPO, "tests", "cluster", "allreduce_bw.py")
+
+
+def _ours() -> set[str]:
+    """This test process's namespaces (a Cluster's default tag is scape<pid>); others' are not ours."""
+    return {n for n in namespaces() if re.fullmatch(rf"scape{os.getpid()}(n\d+|hub)", n)}
 
 
 def _bw_lines(stdout: str) -> dict:
@@ -36,26 +44,25 @@ def test_rate_parsing_and_bad_values():
 
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
 def test_two_node_allreduce_crosses_shaped_link_at_set_bandwidth_and_cleans_up():
-    before = set(namespaces())
+    assert not _ours()
     with Cluster(2, "1gbit", "0.5ms", master_port=29671) as c:
-        mine = set(namespaces()) - before
-        assert mine == {c.hub, c.node(0), c.node(1)}
+        assert _ours() == {c.hub, c.node(0), c.node(1)}
         procs = c.launch([sys.executable, BW_SCRIPT, "64", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          text=True)
         assert c.wait(procs, 180) == [0, 0]
         res = _bw_lines(procs[0].stdout.read())["gloo"]
     assert res["world"] == 2 and res["bytes_sent"] == 64 * 2**20 and res["addrs"] == [c.ip(0)]
     assert 0.7e9 <= res["bits_per_s"] <= 1.3e9, res  # within 30% of the 1 Gbit/s link
-    assert not (set(namespaces()) - before), "namespaces left behind"
+    assert not _ours(), "namespaces left behind"
 
 
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
 def test_failing_rank_ends_the_others_and_everything_is_removed():
-    before = set(namespaces())
+    assert not _ours()
     code = main(["--nodes", "2", "--master-port", "29672", "--timeout", "120", "--", sys.executable, "-c",
                  "import os,sys,time; sys.exit(3) if os.environ['RANK']=='1' else time.sleep(100)"])
     assert code == 1
-    assert set(namespaces()) == before
+    assert not _ours(), "namespaces left behind"
 
 
 def test_without_root_says_so(monkeypatch, capsys):
@@ -64,9 +71,61 @@ def test_without_root_says_so(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
+def test_close_kills_what_the_cluster_started_and_leaves_other_processes(capsys):
+    """Processes carrying the cluster's marker (every rank it starts, and their children) die on
+    close even when the cluster lost track of them (e.g. ranks whose mpiexec was killed); a process
+    someone else started in a node (a debugging shell) is left alone and named."""
+    with Cluster(2, "1gbit", "0.5ms", master_port=29676) as c:
+        ours = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"], env=c.rank_env(1))
+        other = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(subprocess.run(["ip", "netns", "pids", c.node(1)],
+                                                                  capture_output=True, text=True).stdout.split()) < 2:
+            time.sleep(0.05)
+    try:
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None, "a process the cluster did not start was killed"
+        assert str(other.pid) in capsys.readouterr().err
+        assert not _ours(), "namespaces left behind"
+    finally:
+        other.kill()
+        other.wait()
+        ours.kill()
+        ours.wait()
+
+
+@pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
+def test_cleanup_stale_removes_a_killed_runs_namespaces_and_its_processes(capsys):
+    """--cleanup-stale: namespaces whose creator (the pid in the name) is gone are deleted, after the
+    processes that run carried in them are killed; a live cluster's namespaces are not touched."""
+    dead = 4_000_000  # above pid_max's default range: no such process
+    assert not os.path.exists(f"/proc/{dead}")
+    ns = f"scape{dead}n0"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    rank = None
+    try:
+        rank = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "300"],
+                                env=dict(os.environ, SCAPE_CLUSTER_TAG=f"scape{dead}"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                                                 text=True).stdout.split():
+            time.sleep(0.05)
+        with Cluster(2, "1gbit", "0.5ms", master_port=29677) as c:
+            assert main(["--cleanup-stale"]) == 0
+            assert _ours() == {c.hub, c.node(0), c.node(1)}, "a live cluster's namespaces were removed"
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+        assert ns not in namespaces() and f"deleted {ns}" in capsys.readouterr().out
+    finally:
+        if rank is not None and rank.poll() is None:
+            rank.kill()
+            rank.wait()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
 def test_mpiexec_starts_every_rank_inside_its_node_and_mpi_crosses_the_shaped_link():
-    before = set(namespaces())
+    assert not _ours()
     with Cluster(2, "1gbit", "0.5ms", master_port=29673) as c:
         proc = c.launch_mpi([sys.executable, BW_SCRIPT, "32", "3", "--mpi"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -79,20 +138,20 @@ def test_mpiexec_starts_every_rank_inside_its_node_and_mpi_crosses_the_shaped_li
         assert res[backend]["world"] == 2 and res[backend]["addrs"] == [c.ip(0), c.ip(1)], res
         # MPI's data crossed the 1 Gbit/s links (shared memory between the ranks would be ~10x faster)
         assert 0.7e9 <= res[backend]["bits_per_s"] <= 1.3e9, res
-    assert not (set(namespaces()) - before), "namespaces left behind"
+    assert not _ours(), "namespaces left behind"
     assert not os.path.exists(script_dir), "launcher script left behind"
 
 
 @pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
 def test_killed_rank_ends_an_mpi_job_and_everything_is_removed():
-    before = set(namespaces())
+    assert not _ours()
     t0 = time.monotonic()
     code = main(["--nodes", "2", "--mpi", "--master-port", "29674", "--timeout", "120", "--", sys.executable, "-c",
                  "from mpi4py import MPI; import os,time; "
                  "os.kill(os.getpid(), 9) if MPI.COMM_WORLD.rank == 1 else time.sleep(100)"])
     assert code == 1
     assert time.monotonic() - t0 < 60, "mpiexec waited for the sleeping rank instead of ending the job"
-    assert set(namespaces()) == before
+    assert not _ours(), "namespaces left behind"
 
 
 @pytest.mark.timeout(420)
@@ -106,7 +165,7 @@ def test_deepspeed_launcher_with_mpich_trains_across_emulated_nodes(tmp_path):
         hostfile = tmp_path / "hostfile"
         hostfile.write_text("".join(f"{c.ip(i)} slots=1\n" for i in range(c.nodes)))
         cmd = ["ip", "netns", "exec", c.node(0), os.path.join(bin_dir, "deepspeed"), "--hostfile", str(hostfile),
-               "--launcher", "mpich", "--launcher_args", " ".join(c.mpi_args(hosts=False)), "--master_addr", c.ip(0),
+               "--launcher", "mpich", "--launcher_args", shlex.join(c.mpi_args(hosts=False)), "--master_addr", c.ip(0),
                "--master_port", str(c.master_port), "--no_ssh_check", "launch/pretrain.py",
                "--deepspeed_config", "ds_configs/scape_mpi.json", "--train-iters", "12", "--log-interval", "6",
                "--eval-interval", "12", "--metrics-out", str(metrics), "--no-progress"]
