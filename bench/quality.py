@@ -20,7 +20,9 @@ refresh sweep at 0.99 ``scape99_T10 scape99_T50 scape99_T200 scape99_sparse_T1 s
 (``scape99`` is T=100 with dense refresh, ``scape99_sparse`` T=100 with sparse refresh), and the
 learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3), with the refresh sweep
 repeated at lr 1e-3 (T=10, 25, 50, 100, 200; sparse refresh T=1, 10), random-k at 0.99 and SCAPE 0.95.
-Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``all``.
+Higher lrs (``lr_high``): dense AdamW at 6e-3, SCAPE 0.9 and 0.99 at 4.5e-3, 6e-3 and 1e-2, 0.99 T=50 at 6e-3.
+Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
+``all``.
 """
 from __future__ import annotations
 
@@ -71,14 +73,25 @@ RUNS: dict[str, tuple] = {
     "randk99_lr1e-3": ("random-k + EF 0.99, T=100, lr 1e-3", "scape.json", dict(compressor="randk"), dict(lr=1e-3)),
     # bytes spent on density instead of refreshes: about the bytes of 0.99 at T=25
     "scape95_lr1e-3": ("SCAPE 0.95, T=100, lr 1e-3", "scape.json", dict(sparsity=0.95), dict(lr=1e-3)),
+    # higher lrs: SCAPE did better at 3e-3 than at 1e-3; does it keep improving, and does AdamW?
+    "adamw_lr6e-3": ("dense AdamW, lr 6e-3", "dense_adamw.json", {}, dict(lr=6e-3)),
+    "scape90_lr6e-3": ("SCAPE 0.9, T=100, lr 6e-3", "scape.json", dict(sparsity=0.9), dict(lr=6e-3)),
+    "scape99_lr6e-3": ("SCAPE 0.99, T=100, lr 6e-3", "scape.json", {}, dict(lr=6e-3)),
+    "scape90_lr1e-2": ("SCAPE 0.9, T=100, lr 1e-2", "scape.json", dict(sparsity=0.9), dict(lr=1e-2)),
+    "scape99_lr1e-2": ("SCAPE 0.99, T=100, lr 1e-2", "scape.json", {}, dict(lr=1e-2)),
+    "scape90_lr4.5e-3": ("SCAPE 0.9, T=100, lr 4.5e-3", "scape.json", dict(sparsity=0.9), dict(lr=4.5e-3)),
+    "scape99_lr4.5e-3": ("SCAPE 0.99, T=100, lr 4.5e-3", "scape.json", {}, dict(lr=4.5e-3)),
+    "scape99_T50_lr6e-3": ("SCAPE 0.99, T=50, lr 6e-3", "scape.json", dict(mask_refresh_interval=50), dict(lr=6e-3)),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
 LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3", "adamw_lr1e-3", "topk99_lr1e-3", "scape99_T50_lr1e-3"]
 SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3", "scape99_sparse_T1_lr1e-3",
                "scape99_sparse_T10_lr1e-3", "randk99_lr1e-3", "scape95_lr1e-3"]
-GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3,
-          "all": COMPARISON + SWEEP + LR_CHECK + SWEEP_LR1E3}
+LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
+           "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
+GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
+          "all": COMPARISON + SWEEP + LR_CHECK + SWEEP_LR1E3 + LR_HIGH}
 
 
 def expand_runs(spec: str) -> list[str]:
@@ -210,16 +223,27 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _lr(name: str) -> float:
+    """The learning rate of run ``name`` (its override, else its ds_configs/ base's)."""
+    _, base, _, *opt_overrides = RUNS[name]
+    for o in opt_overrides:
+        if "lr" in o:
+            return o["lr"]
+    with open(os.path.join(REPO, "ds_configs", base), encoding="utf-8") as f:
+        return json.load(f)["optimizer"]["params"]["lr"]
+
+
 def plot(results: dict[str, dict], path: str) -> None:
-    """Validation loss vs step: the lr 3e-3 runs on the left, the lr 1e-3 runs on the right (each
-    panel with dense AdamW at lr 3e-3, the reference of the ratio column, dashed)."""
+    """Validation loss vs step, one panel per learning rate (lr 3e-3, 1e-3, higher ones), each with dense
+    AdamW at lr 3e-3, the reference of the ratio column, dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("lr 3e-3", [n for n in results if not n.endswith("_lr1e-3")]),
-              ("lr 1e-3", [n for n in results if n.endswith("_lr1e-3")])]
+    lr = {n: _lr(n) for n in results}
+    panels = [("lr 3e-3", [n for n in results if lr[n] == 3e-3]), ("lr 1e-3", [n for n in results if lr[n] == 1e-3]),
+              ("lr 4.5e-3 to 1e-2", [n for n in results if lr[n] not in (3e-3, 1e-3)])]
     panels = [(title, names) for title, names in panels if names]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), sharey=True, squeeze=False)
     colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # 20 distinct: a panel has up to 14 runs
