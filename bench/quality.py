@@ -1,7 +1,7 @@
 """Quality sweep: validation loss of SCAPE vs dense AdamW/AdamS vs raw-gradient top-k, same everything else.
 
     python bench/quality.py --runs comparison,sweep   # the issue's comparison and refresh sweep, ~45 min on 2 cores
-    python bench/quality.py                        # everything (also the lr 1e-3 set), ~2 h on 2 CPU cores
+    python bench/quality.py                        # everything (also the lr 1e-3 and lr_high sets), ~2.5 h
     python bench/quality.py --runs adamw,scape99 --train-iters 300
     python bench/quality.py --plot-only            # redraw the table and plot from saved results
 
@@ -91,12 +91,12 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "all": COMPARISON + SWEEP + LR_CHECK + SWEEP_LR1E3 + LR_HIGH}
+          "all": list(RUNS)}
 
 
 def expand_runs(spec: str) -> list[str]:
-    """``--runs``: comma-separated run names and group names (``comparison``, ``sweep``, ``lr1e-3``,
-    ``all``), in order, without repeats. An unknown name raises ``ValueError``."""
+    """``--runs``: comma-separated run names and names of ``GROUPS``, in order, without repeats. An
+    unknown name raises ``ValueError``."""
     names: list[str] = []
     for item in (x.strip() for x in spec.split(",")):
         for n in GROUPS.get(item, [item] if item else []):

@@ -55,7 +55,7 @@ MARKER = "SCAPE_CLUSTER_TAG"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$", re.IGNORECASE)
 _DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 
-__all__ = ["Cluster", "parse_rate_bits", "need_root", "stale_namespaces", "find_mpiexec"]
+__all__ = ["Cluster", "parse_rate_bits", "need_root", "namespace_tag", "stale_namespaces", "find_mpiexec"]
 
 # MPI traffic over the shaped interface only: UCX picks shared memory or CMA between processes of
 # one kernel, which would bypass the links (MPICH's own shared memory is off: hydra places every
@@ -99,14 +99,16 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def namespace_tag(ns: str) -> str | None:
+    """The tag of the cluster that made namespace ``ns`` (``scape<creator pid>``), or None if none did."""
+    m = re.fullmatch(rf"({_PREFIX}\d+)(?:n\d+|hub)", ns)
+    return m.group(1) if m else None
+
+
 def stale_namespaces() -> list[str]:
     """Namespaces of this tool whose creating process is gone."""
-    stale = []
-    for ns in namespaces():
-        m = re.match(rf"^{_PREFIX}(\d+)(?:n\d+|hub)$", ns)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            stale.append(ns)
-    return stale
+    return [ns for ns in namespaces()
+            if (tag := namespace_tag(ns)) and not os.path.exists(f"/proc/{tag[len(_PREFIX):]}")]
 
 
 def _marked(pid: str, tag: str) -> bool:
@@ -387,8 +389,9 @@ def main(argv=None) -> int:
                     help="start the ranks with MPICH's mpiexec across the nodes (ranks from MPI) instead of one "
                          "process per rank with RANK/WORLD_SIZE set")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before the ranks are ended")
-    ap.add_argument("--cleanup-stale", action="store_true", help="delete namespaces left by killed runs (after killing the processes those runs left "
-                         "in them), then exit")
+    ap.add_argument("--cleanup-stale", action="store_true",
+                    help="delete namespaces left by killed runs (after killing the processes those runs left in them), "
+                         "then exit")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command to run on every rank")
     args = ap.parse_args(argv)
     reason = need_root()
@@ -397,8 +400,7 @@ def main(argv=None) -> int:
         return 2
     if args.cleanup_stale:
         for ns in stale_namespaces():
-            tag = re.sub(r"(n\d+|hub)$", "", ns)
-            left = kill_marked([ns], tag)
+            left = kill_marked([ns], namespace_tag(ns))
             if left:
                 print(f"{ns}: left running (not started by a cluster): {left}")
             _sh("ip", "netns", "del", ns, check=False)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "launch"))
 
-from cluster import Cluster, find_mpiexec, main, namespaces, need_root, parse_rate_bits  # noqa: E402
+from cluster import Cluster, find_mpiexec, main, namespace_tag, namespaces, need_root, parse_rate_bits  # noqa: E402
 
 NO_ROOT = need_root()
 NO_MPI = None if find_mpiexec() else "no mpiexec: install the mpi extra (pip install -e '.[mpi]')"
@@ -25,7 +24,16 @@ BW_SCRIPT = os.path.join(REPO, "tests", "cluster", "allreduce_bw.py")
 
 def _ours() -> set[str]:
     """This test process's namespaces (a Cluster's default tag is scape<pid>); others' are not ours."""
-    return {n for n in namespaces() if re.fullmatch(rf"scape{os.getpid()}(n\d+|hub)", n)}
+    return {n for n in namespaces() if namespace_tag(n) == f"scape{os.getpid()}"}
+
+
+def _wait_for_pids(ns: str, n: int, timeout: float = 10.0) -> None:
+    """Wait until ``ip netns pids`` lists at least ``n`` processes in ``ns`` (they were just started)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()) >= n:
+            return
+        time.sleep(0.05)
 
 
 def _bw_lines(stdout: str) -> dict:
@@ -79,10 +87,7 @@ def test_close_kills_what_the_cluster_started_and_leaves_other_processes(capsys)
     with Cluster(2, "1gbit", "0.5ms", master_port=29676) as c:
         ours = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"], env=c.rank_env(1))
         other = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(subprocess.run(["ip", "netns", "pids", c.node(1)],
-                                                                  capture_output=True, text=True).stdout.split()) < 2:
-            time.sleep(0.05)
+        _wait_for_pids(c.node(1), 2)
     try:
         assert ours.wait(timeout=10) == -signal.SIGKILL
         assert other.poll() is None, "a process the cluster did not start was killed"
@@ -107,10 +112,7 @@ def test_cleanup_stale_removes_a_killed_runs_namespaces_and_its_processes(capsys
     try:
         rank = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "300"],
                                 env=dict(os.environ, SCAPE_CLUSTER_TAG=f"scape{dead}"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                                                 text=True).stdout.split():
-            time.sleep(0.05)
+        _wait_for_pids(ns, 1)
         with Cluster(2, "1gbit", "0.5ms", master_port=29677) as c:
             assert main(["--cleanup-stale"]) == 0
             assert _ours() == {c.hub, c.node(0), c.node(1)}, "a live cluster's namespaces were removed"

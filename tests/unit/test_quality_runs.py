@@ -16,6 +16,8 @@ def test_groups_expand_in_order_without_repeats():
     assert names.count("scape99_T10_lr1e-3") == 1 and names.index("scape99_T10_lr1e-3") == len(quality.COMPARISON)
     assert set(quality.expand_runs("all")) == set(quality.RUNS)
     assert len(quality.expand_runs("all")) == len(quality.RUNS)
+    named = set().union(*(v for g, v in quality.GROUPS.items() if g != "all"))
+    assert named == set(quality.RUNS), "a run that belongs to no group"
 
 
 def test_unknown_run_name_is_refused(tmp_path):
