@@ -144,8 +144,10 @@ def evaluate(engine, val, args, micro_bs, dp_rank, dp_size, device, dp_group=Non
 
     from scape_ds.data import get_batch
 
+    from scape_ds.comm import collective_device
+
     engine.eval()
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=collective_device(dp_group))  # NCCL: a CUDA tensor
     with torch.no_grad():
         for i in range(args.eval_iters):
             x, y = get_batch(val, micro_bs, args.seq_len, i, dp_rank, dp_size, args.seed + 7919)
@@ -203,6 +205,7 @@ def train(args, cfg: dict) -> dict:
     from tqdm import tqdm
 
     from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+    from scape_ds.comm import collective_device
     from scape_ds.data import build_datasets, get_batch, unigram_entropy
     from scape_ds.engine import scape_optimizer
 
@@ -213,6 +216,7 @@ def train(args, cfg: dict) -> dict:
     train_data, val_data = build_datasets(args.val_fraction, name=args.corpus)
     engine, model, dp_rank, dp_size, dp_group, pipeline = build_engine(args, cfg, device)
     opt = scape_optimizer(engine)
+    loss_device = collective_device(dp_group)
     micro_bs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dense_bytes = dense_bytes_for(model, dp_size)
     start = 0
@@ -255,13 +259,13 @@ def train(args, cfg: dict) -> dict:
                        for m in range(gas)]
             mean_loss = float(engine.train_batch(data_iter=iter([(x.to(device), y.to(device)) for x, y in batches])))
         else:
-            loss_sum = torch.zeros(1, dtype=torch.float64)
+            loss_sum = torch.zeros(1, dtype=torch.float64, device=loss_device)  # NCCL: a CUDA tensor
             for micro in range(gas):
                 x, y = get_batch(train_data, micro_bs, args.seq_len, step * gas + micro, dp_rank, dp_size, args.seed)
                 _, loss = engine(x.to(device), y.to(device))
                 engine.backward(loss)
                 engine.step()
-                loss_sum += float(loss.detach())
+                loss_sum += loss.detach().double().to(loss_device)
             dist.all_reduce(loss_sum, group=dp_group)  # logging only: the mean over ranks and micro-batches
             mean_loss = float(loss_sum) / (gas * dp_size)
         step_time = time.perf_counter() - t0

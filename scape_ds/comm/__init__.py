@@ -9,10 +9,10 @@ from __future__ import annotations
 from .base import Communicator, Work
 from .meter import ByteMeter, collective_bytes
 from .mpi_comm import MPICommunicator, mpi_available
-from .torch_comm import TorchCommunicator
+from .torch_comm import TorchCommunicator, collective_device
 
 __all__ = ["Communicator", "Work", "ByteMeter", "collective_bytes", "TorchCommunicator", "MPICommunicator",
-           "mpi_available", "build_communicator"]
+           "mpi_available", "build_communicator", "collective_device"]
 
 
 def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | None = None) -> Communicator:

@@ -2,7 +2,8 @@
 
 A :class:`Communicator` is bound to one data-parallel group. All collectives are over 1-D
 contiguous tensors (packed values, encoded masks), sums for reductions, and every call adds the
-bytes this rank sends to ``meter`` under a tag. Implementations: ``TorchCommunicator``
+bytes this rank sends to ``meter`` under a tag. Every tensor handed to a collective lives on
+``device`` (NCCL takes CUDA tensors only; gloo and MPI's host staging take CPU tensors). Implementations: ``TorchCommunicator``
 (torch.distributed: gloo on CPU, NCCL on GPU) and ``MPICommunicator`` (mpi4py).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Communicator(Protocol):
     rank: int
     world_size: int
     meter: ByteMeter
+    device: torch.device  # where scalars, norms and staging buffers for its collectives are allocated
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
         """``out`` (D*n,) = concatenation of every rank's ``inp`` (n,)."""

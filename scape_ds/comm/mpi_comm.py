@@ -86,6 +86,8 @@ class MPICommunicator:
             query = getattr(MPI, "Query_cuda_support", None)
             cuda_aware = bool(query()) if query is not None else False
         self.cuda_aware = cuda_aware
+        # scalars are allocated on the host; device buffers are staged (or read directly when CUDA-aware)
+        self.device = torch.device("cpu")
 
     # -- buffers -------------------------------------------------------------------------------
     def _host(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import Communicator, build_communicator, collective_bytes
+from ..comm import Communicator, build_communicator, collective_bytes, collective_device
 from ..config import ScapeConfig, parse_scape_config
 from ..exchange.layout import FlatLayout, split_dense_sparse
 from ..exchange.masks import offsets_to_index, random_offsets, select_mask
@@ -234,11 +234,11 @@ class ScapeAdamS(Optimizer):
         if self.max_grad_norm <= 0:
             self.last_grad_norm = None
             return 1.0
-        sharded = torch.zeros(1, dtype=torch.float64)
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.comm.device)  # on the communicator's device
         replicated = 0.0
         for gs, (sparse_g, dense_g) in zip(self._groups, reduced):
             if sparse_g is not None and not gs.norm_skip:
-                sharded += sparse_g.double().square().sum().cpu()
+                sharded += sparse_g.double().square().sum().to(sharded.device)
             if dense_g is not None:
                 sizes = [p.numel() for p in gs.dense_params]
                 for p, g in zip(gs.dense_params, torch.split(dense_g, sizes)):
@@ -246,7 +246,8 @@ class ScapeAdamS(Optimizer):
                         replicated += float(g.double().square().sum())
         self.comm.all_reduce(sharded, "norm_ar")
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            total = torch.tensor([float(sharded) + replicated], dtype=torch.float64)
+            total = torch.tensor([float(sharded) + replicated], dtype=torch.float64,
+                                 device=collective_device(self.norm_group))
             dist.all_reduce(total, group=self.norm_group)  # model-parallel, not data-parallel, traffic
             sharded, replicated = total, 0.0
         norm = math.sqrt(float(sharded) + replicated)
