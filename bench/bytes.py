@@ -4,9 +4,9 @@
     python bench/bytes.py --ranks 16 --shape gpt2-125m --out bench/bytes.json
 
 How it counts: one process plays rank 0 of D. The real ScapeAdamS runs on parameters of the real
-shapes with a :class:`SimulatedCommunicator` that moves no data (every "other rank" holds the same
-values) but meters every collective exactly as the torch and MPI communicators do (the byte meter
-of scape_ds.comm). It runs steps 1..T+1 and averages one full refresh period, steps 2..T+1 (T-1
+shapes with ``scape_ds.comm.SimulatedCommunicator``, which moves no data (every "other rank" holds
+the same values) but meters every collective exactly as the torch and MPI communicators do (the
+byte meter of scape_ds.comm). It runs steps 1..T+1 and averages one full refresh period, steps 2..T+1 (T-1
 sparse steps and one dense refresh with its mask all-gather), and checks the count against the
 closed form. Dense = what ZeRO-1/DDP send: a reduce-scatter of gradients and an all-gather of
 parameters (the same bytes as one all-reduce), fp32.
@@ -16,53 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scape_ds.comm import ByteMeter, collective_bytes  # noqa: E402
-from scape_ds.models import GPT, GPT_SHAPES  # noqa: E402
-from scape_ds.optim import ScapeAdamS  # noqa: E402
-
-
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
-class SimulatedCommunicator:
-    """Rank ``rank`` of ``world_size`` identical ranks: collectives computed locally, bytes metered."""
-
-    def __init__(self, world_size: int, rank: int = 0):
-        self.world_size, self.rank, self.meter = world_size, rank, ByteMeter()
-
-    def _count(self, kind, t, tag):
-        self.meter.record(tag, collective_bytes(kind, t.numel() * t.element_size(), self.world_size, self.rank == 0))
-
-    def all_gather(self, out, inp, tag):
-        self.all_gather_async(out, inp, tag)
-
-    def all_gather_async(self, out, inp, tag):
-        self._count("all_gather", inp, tag)
-        out.view(self.world_size, -1).copy_(inp.view(1, -1))
-        return _Done()
-
-    def reduce_scatter(self, out, inp, tag):
-        self._count("reduce_scatter", inp, tag)
-        out.copy_(inp.view(self.world_size, -1)[self.rank]).mul_(self.world_size)
-
-    def all_reduce(self, tensor, tag):
-        self._count("all_reduce", tensor, tag)
-        tensor.mul_(self.world_size)
-
-    def broadcast(self, tensor, src, tag):
-        self._count("broadcast", tensor, tag)
-
-    def barrier(self):
-        return None
+from scape_ds.comm import SimulatedCommunicator, collective_bytes
+from scape_ds.models import GPT, GPT_SHAPES
+from scape_ds.optim import ScapeAdamS
 
 
 def build_params(shape: str) -> list[torch.nn.Parameter]:
