@@ -14,61 +14,51 @@ update) and for ``optimizer.step()`` alone.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scape_ds.spawn import run_ranks
 
 
-def _worker(rank, world, store_dir, args, out_path):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _worker(rank, world, tmp_path, args) -> dict:
+    """Both rows on this rank, alternating in blocks; returns their step and optimizer.step times."""
     from scape_ds.data import build_datasets, get_batch
     from scape_ds.models import GPT, GPTConfig
     from scape_ds.optim import ScapeAdamS
 
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        train, _ = build_datasets()
-        runs = {}
-        for name, scape in (("dense", dict(compressor="dense")),
-                            ("scape", dict(compressor="scape", sparsity=args.sparsity, mask_refresh_interval=args.interval))):
-            torch.manual_seed(0)
-            model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-            runs[name] = (model, ScapeAdamS(model.parameters(), lr=1e-3, scape=scape))
-        times = {n: dict(step=[], opt=[], dense_steps=0) for n in runs}
-        for block in range(args.steps // args.block):
-            for name, (model, opt) in runs.items():
-                for i in range(args.block):
-                    s = block * args.block + i
-                    x, y = get_batch(train, args.batch, args.seq_len, s, rank, world, 0)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    opt.zero_grad(set_to_none=False)
-                    _, loss = model(x, y)
-                    loss.backward()
-                    t1 = time.perf_counter()
-                    opt.step()
-                    t2 = time.perf_counter()
-                    if s >= args.warmup:
-                        times[name]["step"].append(t2 - t0)
-                        times[name]["opt"].append(t2 - t1)
-                        times[name]["dense_steps"] += int(opt.comm_stats["dense_step"])
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(times, f)
-    finally:
-        dist.destroy_process_group()
+    train, _ = build_datasets()
+    runs = {}
+    rows = (("dense", dict(compressor="dense")),
+            ("scape", dict(compressor="scape", sparsity=args.sparsity, mask_refresh_interval=args.interval)))
+    for name, scape in rows:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+        runs[name] = (model, ScapeAdamS(model.parameters(), lr=1e-3, scape=scape))
+    times = {n: dict(step=[], opt=[], dense_steps=0) for n in runs}
+    for block in range(args.steps // args.block):
+        for name, (model, opt) in runs.items():
+            for i in range(args.block):
+                s = block * args.block + i
+                x, y = get_batch(train, args.batch, args.seq_len, s, rank, world, 0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=False)
+                _, loss = model(x, y)
+                loss.backward()
+                t1 = time.perf_counter()
+                opt.step()
+                t2 = time.perf_counter()
+                if s >= args.warmup:
+                    times[name]["step"].append(t2 - t0)
+                    times[name]["opt"].append(t2 - t1)
+                    times[name]["dense_steps"] += int(opt.comm_stats["dense_step"])
+    for _, opt in runs.values():
+        opt.synchronize()
+    return times
 
 
 def main() -> None:
@@ -85,11 +75,8 @@ def main() -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.start_processes(_worker, args=(args.ranks, tmp, args, out), nprocs=args.ranks, start_method="spawn")
-        with open(out) as f:
-            times = json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:  # gloo ranks on loopback (FileStore: no port)
+        times = run_ranks(_worker, args.ranks, tmp, args, timeout_s=120)[0]  # rank 0's times
     med = {n: {k: statistics.median(v[k]) for k in ("step", "opt")} for n, v in times.items()}
     print(f"{args.ranks} ranks, GPT {args.n_layer}x{args.n_embd}, batch {args.batch}x{args.seq_len}, "
           f"{len(times['dense']['step'])} timed steps each (median)")

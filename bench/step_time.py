@@ -49,8 +49,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "launch"))
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "steps_per_print": 10**9}
@@ -200,8 +198,8 @@ def cluster_rows(args) -> list[str]:
     return rows
 
 
-def run_setting(nodes: int, rate: str, args, port: int) -> dict:
-    from cluster import Cluster, parse_rate_bits
+def run_setting(nodes: int, rate: str, args) -> dict:
+    from scape_ds.cluster import Cluster, parse_rate_bits
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
@@ -209,7 +207,7 @@ def run_setting(nodes: int, rate: str, args, port: int) -> dict:
                "--warmup", str(args.warmup), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
                "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                "--rows", ",".join(cluster_rows(args))]
-        with Cluster(nodes, rate, args.delay, master_port=port) as c:
+        with Cluster(nodes, rate, args.delay) as c:  # its default port, inside namespaces it has just made
             env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
             # --mpi: MPI starts the ranks inside the nodes (both backends then run in the same job)
             procs = [c.launch_mpi(cmd, env=env, stderr=err)] if args.mpi else c.launch(cmd, env=env, stderr=err)
@@ -285,7 +283,9 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
     if not os.path.exists(mpiexec):
         print("step_time.py: error: no mpiexec next to this python: pip install -e '.[mpi]'", file=sys.stderr)
         return 2
-    all_res, lines, port = [], [], 29900
+    from scape_ds.spawn import free_port
+
+    all_res, lines = [], []
     head = "mpi / torch step time" if ref is None else f"{ref} / row step time"
     if ref is None:
         lines += [f"| ranks | row | step ms | MB sent/step | {head} |", "|---|---|---|---|---|"]
@@ -293,14 +293,13 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
         lines += [f"| ranks | row | step ms | MB SCAPE-metered/step | MB DeepSpeed all-gather/step | MB total/step | "
                   f"MB held beyond ZeRO-3 (EF + masks + replica) | {head} |", "|---|---|---|---|---|---|---|---|"]
     for n in [int(v) for v in args.nodes.split(",")]:
-        port += 1
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--n-layer", str(args.n_layer),
                    "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len),
                    "--micro-batch", str(args.micro_batch), "--rows", ",".join(rows)]
-            env = dict(os.environ, MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+            env = dict(os.environ, MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
             print(f"-- {n} ranks under mpiexec (loopback) ...", flush=True)
             proc = subprocess.run(cmd, env=env, stderr=None if args.verbose else subprocess.DEVNULL)
             if proc.returncode != 0:
@@ -367,18 +366,17 @@ def main() -> int:
         print(report(all_res))
         plot(all_res, os.path.join(os.path.dirname(args.out), "step_time.png"))
         return 0
-    from cluster import need_root
+    from scape_ds.cluster import need_root
 
     reason = need_root()
     if reason:
         print(f"step_time.py: error: {reason}", file=sys.stderr)
         return 2
-    all_res, port = [], 29800
+    all_res = []
     for nodes in [int(n) for n in args.nodes.split(",")]:
         for rate in args.rates.split(","):
-            port += 3
             print(f"-- {nodes} nodes, {rate} ...", flush=True)
-            all_res.append(run_setting(nodes, rate, args, port))
+            all_res.append(run_setting(nodes, rate, args))
             print(report(all_res[-1:]), flush=True)
     with open(args.out, "w") as f:
         json.dump(all_res, f, indent=1)

@@ -20,8 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from scape_ds.comm import collective_bytes  # noqa: E402
+from scape_ds.comm import collective_bytes
 
 
 def _best_of(repeats: int, barrier, allreduce) -> float:

@@ -1,4 +1,7 @@
-"""launch/cluster.py: namespaces on a bridge with tc-shaped links (needs root; skips without it)."""
+"""launch/cluster.py (scape_ds.cluster): namespaces on a bridge with tc-shaped links (needs root; skips without it).
+
+The clusters use their default master port: it is bound inside namespaces each cluster has just made.
+"""
 from __future__ import annotations
 
 import json
@@ -11,10 +14,9 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "launch"))
+from scape_ds.cluster import Cluster, find_mpiexec, main, namespace_tag, namespaces, need_root, parse_rate_bits
 
-from cluster import Cluster, find_mpiexec, main, namespace_tag, namespaces, need_root, parse_rate_bits  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NO_ROOT = need_root()
 NO_MPI = None if find_mpiexec() else "no mpiexec: install the mpi extra (pip install -e '.[mpi]')"
@@ -53,7 +55,7 @@ def test_rate_parsing_and_bad_values():
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
 def test_two_node_allreduce_crosses_shaped_link_at_set_bandwidth_and_cleans_up():
     assert not _ours()
-    with Cluster(2, "1gbit", "0.5ms", master_port=29671) as c:
+    with Cluster(2, "1gbit", "0.5ms") as c:
         assert _ours() == {c.hub, c.node(0), c.node(1)}
         procs = c.launch([sys.executable, BW_SCRIPT, "64", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          text=True)
@@ -67,7 +69,7 @@ def test_two_node_allreduce_crosses_shaped_link_at_set_bandwidth_and_cleans_up()
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
 def test_failing_rank_ends_the_others_and_everything_is_removed():
     assert not _ours()
-    code = main(["--nodes", "2", "--master-port", "29672", "--timeout", "120", "--", sys.executable, "-c",
+    code = main(["--nodes", "2", "--timeout", "120", "--", sys.executable, "-c",
                  "import os,sys,time; sys.exit(3) if os.environ['RANK']=='1' else time.sleep(100)"])
     assert code == 1
     assert not _ours(), "namespaces left behind"
@@ -84,7 +86,7 @@ def test_close_kills_what_the_cluster_started_and_leaves_other_processes(capsys)
     """Processes carrying the cluster's marker (every rank it starts, and their children) die on
     close even when the cluster lost track of them (e.g. ranks whose mpiexec was killed); a process
     someone else started in a node (a debugging shell) is left alone and named."""
-    with Cluster(2, "1gbit", "0.5ms", master_port=29676) as c:
+    with Cluster(2, "1gbit", "0.5ms") as c:
         ours = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"], env=c.rank_env(1))
         other = subprocess.Popen(["ip", "netns", "exec", c.node(1), "sleep", "300"])
         _wait_for_pids(c.node(1), 2)
@@ -113,7 +115,7 @@ def test_cleanup_stale_removes_a_killed_runs_namespaces_and_its_processes(capsys
         rank = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "300"],
                                 env=dict(os.environ, SCAPE_CLUSTER_TAG=f"scape{dead}"))
         _wait_for_pids(ns, 1)
-        with Cluster(2, "1gbit", "0.5ms", master_port=29677) as c:
+        with Cluster(2, "1gbit", "0.5ms") as c:
             assert main(["--cleanup-stale"]) == 0
             assert _ours() == {c.hub, c.node(0), c.node(1)}, "a live cluster's namespaces were removed"
         assert rank.wait(timeout=10) == -signal.SIGKILL
@@ -128,7 +130,7 @@ def test_cleanup_stale_removes_a_killed_runs_namespaces_and_its_processes(capsys
 @pytest.mark.skipif(NO_ROOT is not None or NO_MPI is not None, reason=str(NO_ROOT or NO_MPI))
 def test_mpiexec_starts_every_rank_inside_its_node_and_mpi_crosses_the_shaped_link():
     assert not _ours()
-    with Cluster(2, "1gbit", "0.5ms", master_port=29673) as c:
+    with Cluster(2, "1gbit", "0.5ms") as c:
         proc = c.launch_mpi([sys.executable, BW_SCRIPT, "32", "3", "--mpi"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
         assert c.wait([proc], 180) == [0]
@@ -148,7 +150,7 @@ def test_mpiexec_starts_every_rank_inside_its_node_and_mpi_crosses_the_shaped_li
 def test_killed_rank_ends_an_mpi_job_and_everything_is_removed():
     assert not _ours()
     t0 = time.monotonic()
-    code = main(["--nodes", "2", "--mpi", "--master-port", "29674", "--timeout", "120", "--", sys.executable, "-c",
+    code = main(["--nodes", "2", "--mpi", "--timeout", "120", "--", sys.executable, "-c",
                  "from mpi4py import MPI; import os,time; "
                  "os.kill(os.getpid(), 9) if MPI.COMM_WORLD.rank == 1 else time.sleep(100)"])
     assert code == 1
@@ -163,7 +165,7 @@ def test_deepspeed_launcher_with_mpich_trains_across_emulated_nodes(tmp_path):
     nodes, with SCAPE's exchange over the mpi4py backend."""
     bin_dir = os.path.dirname(sys.executable)
     metrics = tmp_path / "m.jsonl"
-    with Cluster(2, "1gbit", "0.5ms", master_port=29675) as c:
+    with Cluster(2, "1gbit", "0.5ms") as c:
         hostfile = tmp_path / "hostfile"
         hostfile.write_text("".join(f"{c.ip(i)} slots=1\n" for i in range(c.nodes)))
         cmd = ["ip", "netns", "exec", c.node(0), os.path.join(bin_dir, "deepspeed"), "--hostfile", str(hostfile),

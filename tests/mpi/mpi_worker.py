@@ -1,4 +1,4 @@
-"""One MPI-launched test case, run as ``mpiexec -n N python tests/mpi/mpi_worker.py CASE``.
+"""One MPI-launched test case, run from the repository as ``mpiexec -n N python -m tests.mpi.mpi_worker CASE``.
 
 Ranks come from MPI (``deepspeed.init_distributed(auto_mpi_discovery=True)`` maps MPI's world onto
 torch.distributed, gloo); SCAPE's exchange runs over mpi4py (``comm_backend "mpi"``) or
@@ -23,8 +23,6 @@ import os
 import signal
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
@@ -43,7 +41,7 @@ def _init() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=True, verbose=False,
-                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")),
+                               distributed_port=int(os.environ["MASTER_PORT"]),  # the test picks a free one
                                timeout=datetime.timedelta(seconds=60))
     if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         assert (dist.get_rank(), dist.get_world_size()) == (WORLD.Get_rank(), WORLD.Get_size())

@@ -11,21 +11,20 @@ import time
 
 import pytest
 
+from scape_ds.spawn import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 MPIEXEC = shutil.which("mpiexec", path=BIN) or shutil.which("mpiexec")
-WORKER = os.path.join(REPO, "tests", "mpi", "mpi_worker.py")
+WORKER = ("-m", "tests.mpi.mpi_worker")  # run from REPO, so that it imports tests.multiprocess.models
 
 pytestmark = [pytest.mark.timeout(420),
               pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: install the mpi extra (pip install -e '.[mpi]')")]
 
-_port = [29700]
-
 
 def _env(**extra) -> dict:
-    _port[0] += 7
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-               PATH=BIN + os.pathsep + os.environ.get("PATH", ""), MASTER_PORT=str(_port[0]))
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""), MASTER_PORT=str(free_port()))
     env.update(extra)
     return env
 
@@ -44,7 +43,7 @@ def _result(proc) -> dict:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_mpi_replicas_identical_every_step_and_bytes_equal_torch_backend(n):
-    res = _result(_mpirun(n, WORKER, "replicas"))
+    res = _result(_mpirun(n, *WORKER, "replicas"))
     assert res["world"] == n
     for mode in ("dense_refresh", "sparse_refresh"):
         assert res[mode]["steps"] == 12 and res[mode]["bytes_mpi"] == res[mode]["bytes_torch"]
@@ -55,12 +54,12 @@ def test_mpi_replicas_identical_every_step_and_bytes_equal_torch_backend(n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_mpi_density_one_equals_dense_adams(n):
-    res = _result(_mpirun(n, WORKER, "dense"))
+    res = _result(_mpirun(n, *WORKER, "dense"))
     assert res["max_diff"] <= 1e-10
 
 
 def test_mpi_sub_communicators_follow_data_parallel_groups():
-    res = _result(_mpirun(4, WORKER, "groups"))
+    res = _result(_mpirun(4, *WORKER, "groups"))
     assert res["groups"] == [[0, 2], [1, 3]] and len(res["bytes"]) == 8
 
 
@@ -80,22 +79,22 @@ def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
 
 def test_mpi_backend_refuses_a_torch_world_that_is_not_mpis(tmp_path):
     # two ranks started without mpiexec: MPI sees two singletons, torch.distributed one world of 2
-    code = ("import os,sys,datetime; sys.path.insert(0, %r); import torch.distributed as dist;"
+    code = ("import os,datetime; import torch.distributed as dist;"
             "dist.init_process_group('gloo', init_method='file://%s', rank=int(os.environ['R']), world_size=2,"
             " timeout=datetime.timedelta(seconds=60));"
             "from scape_ds.comm import build_communicator\n"
             "try:\n build_communicator('mpi')\nexcept ValueError as e:\n print('ERR', e)\n"
-            "dist.destroy_process_group()") % (REPO, tmp_path / "store")
+            "dist.destroy_process_group()") % (tmp_path / "store")
     env = _env()
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, R=str(r)), stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=dict(env, R=str(r)), stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all("ERR comm_backend 'mpi'" in o and "mpiexec" in o for o in outs), outs
 
 
 def test_killed_rank_ends_mpi_job_instead_of_hanging():
     t0 = time.monotonic()
-    proc = _mpirun(2, WORKER, "kill", timeout=180, BACKEND="mpi")
+    proc = _mpirun(2, *WORKER, "kill", timeout=180, BACKEND="mpi")
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert time.monotonic() - t0 < 120
 
@@ -104,7 +103,7 @@ def test_killed_rank_fails_torch_backend_peers_within_timeout(tmp_path):
     # no MPI launcher here: the survivor must raise from gloo (peer gone or 60 s timeout), not hang
     t0 = time.monotonic()
     env = _env(BACKEND="torch", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")  # one port for both ranks
-    procs = [subprocess.Popen([sys.executable, WORKER, "kill"], cwd=REPO, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, *WORKER, "kill"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(2)]
     try:
