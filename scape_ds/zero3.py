@@ -79,7 +79,8 @@ def check_deepspeed_internals() -> None:
     if getattr(cls, _PRIVATE, None) is None:
         missing.append(f"{cls.__name__}.__avg_scatter_grads")
     elif not re.search(r"def __avg_scatter_grads\(self,\s*params_to_reduce[^,]*,\s*communication_data_type", src):
-        missing.append("__avg_scatter_grads(self, params_to_reduce, communication_data_type)")  # decorated: read the source
+        # decorated, so the signature is read from the source
+        missing.append("__avg_scatter_grads(self, params_to_reduce, communication_data_type)")
     for name in _NEEDED:
         if f"self.{name}" not in src and f"def {name}" not in src:
             missing.append(f"{cls.__name__}.{name}")
@@ -150,7 +151,8 @@ class Stage3AdamS(torch.optim.Optimizer):
                 else:
                     c = 1.0 - beta1**t if group["bias_correction"] else 1.0
                     out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)
-                    get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c, **hyper)
+                    get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c,
+                                                              **hyper)
                     state["decay_debt"] = owe_decay(state["decay_debt"], group["lr"], group["weight_decay"])
                     state["last_index"] = index
         return None

@@ -81,7 +81,8 @@ def test_step_comm_stats_reads_and_resets_the_meter():
     meter.record("init", 1000)
     meter.record_dense(400)
     stats = step_comm_stats(meter, 3, False)
-    assert stats == dict(step=3, dense_step=False, bytes_sent=107, bytes_dense=400, by_tag={"grad_rs": 100, "mask_ag": 7})
+    assert stats == {"step": 3, "dense_step": False, "bytes_sent": 107, "bytes_dense": 400,
+                     "by_tag": {"grad_rs": 100, "mask_ag": 7}}
     assert step_comm_stats(meter, 4, True)["bytes_sent"] == 0
 
 

@@ -153,3 +153,89 @@ def test_split_rank_major_returns_row_r_from_rank_r():
         assert p.shape == (D, w)
         for r in range(D):
             assert torch.equal(p[r], local[r][s: s + w])
+
+
+# ---------------------------------------------------------------- Stage3Exchange without DeepSpeed or a process group
+class _LoopbackComm:
+    """World size 1: every collective hands the input back, bytes metered."""
+
+    world_size, rank = 1, 0
+
+    def __init__(self):
+        from scape_ds.comm import ByteMeter
+
+        self.meter = ByteMeter()
+
+    def _done(self, out, inp, tag):
+        self.meter.record(tag, inp.numel() * inp.element_size())
+        out.copy_(inp)
+        return self
+
+    def wait(self):
+        return None
+
+    def reduce_scatter(self, out, inp, tag):
+        self._done(out, inp, tag)
+
+    def all_gather(self, out, inp, tag):
+        self._done(out, inp, tag)
+
+    def all_gather_async(self, out, inp, tag):
+        return self._done(out, inp, tag)
+
+
+def _zero3_param(ds_id: int, shape) -> torch.nn.Parameter:
+    """A parameter carrying the ZeRO-3 attributes Stage3Exchange reads (one rank: its piece is all of it)."""
+    p = torch.nn.Parameter(torch.randn(shape))
+    p.ds_id, p.ds_numel, p.ds_shape, p.ds_persist = ds_id, p.numel(), p.shape, True
+    p.ds_tensor = p.detach().reshape(-1).clone()
+    p.partition_numel = lambda n=p.numel(): n
+    return p
+
+
+def test_stage3_exchange_keeps_what_it_did_not_send_and_resumes_from_its_state():
+    from scape_ds.config import parse_scape_config
+    from scape_ds.exchange.stage3 import Stage3Exchange
+
+    torch.manual_seed(0)
+    cfg = parse_scape_config({"sparsity": 0.75, "mask_refresh_interval": 2})
+    params = [_zero3_param(7, (4, 5)), _zero3_param(3, (8,))]
+    ex = Stage3Exchange(cfg, _LoopbackComm(), params, True, torch.float32)
+    assert [p.ds_id for p in ex.params] == [3, 7] and [ex.k(p) for p in ex.params] == [2, 5]
+    total = {p.ds_id: torch.zeros(p.numel()) for p in params}  # every gradient so far
+    delivered = {p.ds_id: torch.zeros(p.numel()) for p in params}
+    flat = torch.zeros(8 + 20)  # one flat fp32 partition: ds_id 3 at offset 0, ds_id 7 at offset 8
+    momentum = torch.randn(28)
+    positions = [(flat, 0, ex.params[0]), (flat, 8, ex.params[1])]
+    for t in range(1, 4):
+        assert ex.begin_step() == (t != 2)  # step 1 dense (no mask yet), 2 sparse, 3 a dense refresh
+        for p in params:
+            p.grad = torch.randn(p.shape)
+            total[p.ds_id] += p.grad.reshape(-1)
+        for p, part in zip(ex.params, ex.reduce_scatter_grads(ex.params, torch.float32)):
+            delivered[p.ds_id] += part
+            if t == 2:  # zero outside this rank's mask
+                outside = torch.ones(p.numel(), dtype=torch.bool)
+                outside[ex.masks[p.ds_id][0]] = False
+                assert (part[outside] == 0).all() and (ex.error[p.ds_id][~outside] == 0).all()
+        for p in params:  # sent + kept == every gradient
+            torch.testing.assert_close(delivered[p.ds_id] + ex.error[p.ds_id], total[p.ds_id])
+        if t == 2:
+            index = ex.flat_indices(positions)[id(flat)]
+            assert index.tolist() == ex.masks[3][0].tolist() + (ex.masks[7][0] + 8).tolist()
+        ex.end_step((momentum, offset, p) for _, offset, p in positions)
+        assert ex.comm_stats["step"] == t and ex.comm_stats["dense_step"] == (t != 2)
+        assert ex.comm_stats["by_tag"]["grad_rs"] == 4 * (28 if t != 2 else 7)  # fp32: everything, or the k values
+        assert ("mask_ag" in ex.comm_stats["by_tag"]) == (t != 2)  # refresh steps send the next masks
+    ex.pending.wait()
+    assert ex.masks[7][0].tolist() == momentum[8:].abs().topk(5).indices.sort().values.tolist()
+    saved = ex.state_dict()
+    again = Stage3Exchange(cfg, _LoopbackComm(), [_zero3_param(11, (4, 5)), _zero3_param(10, (8,))], True,
+                           torch.float32)
+    again.check_loadable(saved)
+    again.load_state_dict(saved, torch.device("cpu"))
+    assert again.step == 3 and torch.equal(again.masks[11], ex.masks[7]) and torch.equal(again.error[10], ex.error[3])
+    with pytest.raises(ValueError, match="SCAPE ZeRO-3 state of rank 0/2 cannot load on rank 0/1"):
+        again.check_loadable(dict(saved, world_size=2))
+    with pytest.raises(ValueError, match="no SCAPE ZeRO-3 state"):
+        again.check_loadable(None)
