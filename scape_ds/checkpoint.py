@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .engine import scape_optimizer
+from .engine import is_scape_stage3, scape_optimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag"]
 
@@ -59,7 +59,7 @@ def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None 
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
     tag_dir = os.path.join(save_dir, tag)
     opt = scape_optimizer(engine)
-    if opt is not None and not getattr(opt, "scape_stage3", False):  # ZeRO-3: in DeepSpeed's optimizer files
+    if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
         os.makedirs(tag_dir, exist_ok=True)
         _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
     if dist.is_initialized():
@@ -102,7 +102,7 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
     opt = scape_optimizer(engine)
-    if getattr(opt, "scape_stage3", False):
+    if is_scape_stage3(opt):
         opt = None  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
     if opt is not None and not os.path.isfile(_scape_file(tag_dir, opt)):
         raise ValueError(f"--load {load_dir}: {tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "

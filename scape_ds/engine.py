@@ -1,4 +1,4 @@
-"""``scape_ds.initialize``: ``deepspeed.initialize`` with the SCAPE optimizer and exchange (DESIGN.md section 2).
+"""``scape_ds.initialize``: ``deepspeed.initialize`` with the SCAPE optimizer and exchange (docs/design.md section 2).
 
 Path A (ZeRO stage 0 or 1 in the config): DeepSpeed's engine runs forward, backward, gradient
 accumulation, the learning-rate scheduler, checkpoints and logging; its dense gradient all-reduce
@@ -26,10 +26,11 @@ import json
 import os
 from typing import Any
 
-from .config import offload_enabled, parse_scape_config, zero_stage
+from .config import parse_scape_config, zero_stage
+from .exchange.refused import refusal_message, refused_settings
 from .optim import AdamS, ScapeAdamS
 
-__all__ = ["initialize", "read_ds_config", "scape_optimizer", "SCAPE_OPTIMIZERS"]
+__all__ = ["initialize", "read_ds_config", "scape_optimizer", "is_scape_stage3", "SCAPE_OPTIMIZERS"]
 
 SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
 _ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -69,23 +70,16 @@ def _optimizer_kwargs(params: dict, name: str) -> dict:
 
 
 def _check_path_a(cfg: dict) -> int:
-    """Refuse what path A does not support; return the ZeRO stage of the config."""
-    zero = cfg.get("zero_optimization", {}) or {}
+    """Refuse what path A does not support (:mod:`scape_ds.exchange.refused`); return the ZeRO stage."""
     stage = zero_stage(cfg)
     if stage == 2:
         raise ValueError("ScapeAdamS does not run under ZeRO stage 2: use stage 0/1 (SCAPE shards the optimizer "
                          "state itself) or stage 3 with the SCAPE stage-3 optimizer")
     if stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-    for key in ("offload_optimizer", "offload_param"):
-        if offload_enabled(zero.get(key)):
-            raise ValueError(f"zero_optimization.{key} is not supported with ScapeAdamS (its state lives with the exchange)")
-    if (cfg.get("fp16") or {}).get("enabled", False):
-        raise ValueError("fp16 with loss scaling is not supported with ScapeAdamS yet: use fp32 (bf16 is planned)")
-    if (cfg.get("bf16") or {}).get("enabled", False) or (cfg.get("bfloat16") or {}).get("enabled", False):
-        raise ValueError("bf16 is not supported by ScapeAdamS on the stage 0/1 path yet: use fp32")
-    if (cfg.get("torch_autocast") or {}).get("enabled", False):
-        raise ValueError("torch_autocast is not supported with ScapeAdamS yet: use fp32")
+    refused = refused_settings(cfg, stage)
+    if refused:
+        raise ValueError(refusal_message(refused, stage))
     return stage
 
 
@@ -224,7 +218,16 @@ def _is_pipeline(model) -> bool:
 def scape_optimizer(engine):
     """The engine's SCAPE optimizer (:class:`ScapeAdamS`, or the ZeRO-3 ``ScapeStage3``), or None.
 
-    Both have ``cfg``, ``comm_stats`` (``bytes_sent``, ``bytes_dense`` per step) and ``synchronize()``.
+    Both have ``cfg``, ``comm``, ``comm_stats`` (``bytes_sent``, ``bytes_dense`` per step) and ``synchronize()``.
     """
     opt = getattr(engine, "optimizer", None)
-    return opt if isinstance(opt, ScapeAdamS) or getattr(opt, "scape_stage3", False) else None
+    return opt if isinstance(opt, ScapeAdamS) or is_scape_stage3(opt) else None
+
+
+def is_scape_stage3(opt) -> bool:
+    """Whether ``opt`` is the ZeRO-3 ``ScapeStage3`` (imports DeepSpeed only when ``opt`` may be one)."""
+    if opt is None or isinstance(opt, ScapeAdamS):
+        return False
+    from .zero3 import ScapeStage3
+
+    return isinstance(opt, ScapeStage3)

@@ -254,14 +254,16 @@ def _train_step(setup: TrainSetup, data, args, step: int, device) -> float:
 def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int, train_data, val_data) -> str:
     """The opening line: model size, parallel layout, optimizer, tokens per step, corpus."""
     from scape_ds.data import unigram_entropy
+    from scape_ds.engine import is_scape_stage3
 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in setup.model.parameters())  # ZeRO-3: full sizes
     kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
         else type(setup.engine.optimizer).__name__
-    if getattr(opt, "scape_stage3", False) and opt.replica:
+    stage3 = is_scape_stage3(opt)
+    if stage3 and opt.replica:
         kind += (" under ZeRO-3, sparse_replica (bytes: gradient reduce-scatter + masks + parameter all-gather"
                  " vs ZeRO-3's dense reduce-scatter + all-gather)")
-    elif getattr(opt, "scape_stage3", False):
+    elif stage3:
         kind += " under ZeRO-3 (bytes: gradient reduce-scatter + masks vs ZeRO-3's dense reduce-scatter)"
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     layout = f"TP{tp} x PP{pp} x DP{setup.dp_size} ({'megatron-core' if uses_megatron(args) else 'GPT'})"

@@ -1,6 +1,6 @@
 """ScapeAdamS: AdamS with SCAPE's sharded, sparse, error-compensated data-parallel exchange.
 
-SCAPE (Zheng, Chen, Xie, Zhang, arXiv 2607.01678) on the AdamS base optimizer; DESIGN.md section 1.
+SCAPE (Zheng, Chen, Xie, Zhang, arXiv 2607.01678) on the AdamS base optimizer; docs/design.md section 1.
 The parameters are replicated on every data-parallel rank (compute dtype); the optimizer state is
 sharded like ZeRO-1: rank r owns shard r of a flat buffer of the sparse parameters and keeps its
 fp32 master weights and momentum. One step, after backward, on rank r (mask M shared by all ranks):
@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from ..comm import Communicator, build_communicator, collective_bytes, collective_device
 from ..config import ScapeConfig, parse_scape_config
+from ..exchange.core import MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay, step_comm_stats
 from ..exchange.layout import FlatLayout, split_dense_sparse
 from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..kernels import get_kernels
@@ -59,14 +60,9 @@ class _GroupState:
     active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
     active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
     active_local: torch.Tensor | None = None  # (k,) int64 this rank's part of active_index, shard-local
-    pending: tuple[Any, torch.Tensor] | None = None  # (work, (D*L,) uint8 encoded masks) in flight
+    pending: PendingMasks = field(default_factory=PendingMasks)  # (D*L,) uint8 encoded masks in flight
     decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
     norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
-
-
-def is_refresh_step(t: int, interval: int) -> bool:
-    """Whether step ``t`` (1-based) chooses the next mask: the first step and every ``interval`` after."""
-    return t == 1 or (t - 1) % interval == 0
 
 
 class ScapeAdamS(Optimizer):
@@ -112,6 +108,8 @@ class ScapeAdamS(Optimizer):
         self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
         self.max_grad_norm = float(max_grad_norm)
         self.norm_group = norm_group
+        self.schedule = MaskSchedule(self.cfg.mask_refresh_interval, self.cfg.dense_refresh,
+                                     always_dense=self.cfg.compressor == "dense")
         # internal state, built on the first step (after an engine has moved and cast the model)
         self._groups: list[_GroupState] | None = None
         self._step = 0
@@ -164,13 +162,6 @@ class ScapeAdamS(Optimizer):
                 gs.dense_momenta.append(state["momentum"])
             self._groups.append(gs)
 
-    # ------------------------------------------------------------------ schedule
-    def _is_refresh(self, t: int) -> bool:
-        return is_refresh_step(t, self.cfg.mask_refresh_interval)
-
-    def _is_dense(self, t: int) -> bool:
-        return self.cfg.compressor == "dense" or t == 1 or (self.cfg.dense_refresh and self._is_refresh(t))
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -182,19 +173,18 @@ class ScapeAdamS(Optimizer):
         self._lazy_init()
         self._step += 1
         t = self._step
-        dense_step = self._is_dense(t)
+        dense_step = self.schedule.is_dense(t)
         meter = self.comm.meter
         reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
         scale = self._clip_coefficient(reduced)
         for group, gs, (sparse_g, dense_g) in zip(self.param_groups, self._groups, reduced):
             self._update_group(group, gs, sparse_g, dense_g, scale, dense_step)
-            if self._is_refresh(t) and gs.flat_param is not None and self.cfg.compressor != "dense":
+            if self.schedule.is_refresh(t) and gs.flat_param is not None and self.cfg.compressor != "dense":
                 self._select_next_mask(gs, sparse_g if dense_step else None)
             meter.record_dense(self._dense_bytes(gs))
-        by_tag, dense_bytes = meter.step_bytes()
+        stats = step_comm_stats(meter, t, dense_step)
         if self.cfg.log_comm:
-            self.comm_stats = dict(step=t, dense_step=dense_step, bytes_sent=sum(by_tag.values()),
-                                   bytes_dense=dense_bytes, by_tag=by_tag)
+            self.comm_stats = stats
         return loss
 
     def _exchange_grads(self, gs: _GroupState, dense_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -220,7 +210,7 @@ class ScapeAdamS(Optimizer):
             sparse_g = torch.empty(layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
             self.comm.reduce_scatter(sparse_g, send, "grad_rs")
         else:
-            self._wait_pending(gs)
+            gs.pending.wait()
             k = gs.active_index.numel() // D
             packed = torch.empty(gs.active_index.numel(), dtype=gs.flat_param.dtype, device=gs.flat_param.device)
             kern.ef_accumulate_pack(gs.error, gs.flat_grad, gs.active_index, packed)  # (K,)
@@ -271,12 +261,8 @@ class ScapeAdamS(Optimizer):
         if scale != 1.0:
             sparse_g.mul_(scale)
         if dense_step:
-            if gs.active_index is not None and gs.decay_debt != 1.0:
-                # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
-                kept = gs.master[gs.active_local]
-                gs.master.mul_(gs.decay_debt)
-                gs.master[gs.active_local] = kept
-            gs.decay_debt = 1.0
+            # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
+            gs.decay_debt = settle_decay(gs.master, gs.decay_debt, gs.active_local)
             adams([gs.master], [sparse_g], [gs.momentum], step=t, bias_correction=group["bias_correction"], **hyper)
             new = gs.master.to(gs.flat_param.dtype)  # (S,) compute dtype
             self.comm.all_gather(gs.flat_param, new, "param_ag")
@@ -290,13 +276,13 @@ class ScapeAdamS(Optimizer):
             values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
             self.comm.all_gather(values, new, "param_ag")
             self._kernels.scatter_values(gs.flat_param, gs.active_index, values)
-            gs.decay_debt *= 1.0 - lr * wd
+            gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
 
     # ------------------------------------------------------------------ masks
     def _select_next_mask(self, gs: _GroupState, reduced_grad: torch.Tensor | None) -> None:
         """Step 5: choose the next mask; SCAPE/top-k start its all-gather, used from the next step."""
         cfg, layout, t = self.cfg, gs.layout, self._step
-        self._wait_pending(gs)  # a refresh that follows a refresh (T=1) supersedes the older mask
+        gs.pending.wait()  # a refresh that follows a refresh (T=1) supersedes the older mask
         C, kc = cfg.chunk_size, cfg.k_per_chunk
         if cfg.compressor == "randk":
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t)  # same draw on every rank
@@ -311,17 +297,7 @@ class ScapeAdamS(Optimizer):
         offsets = select_mask(scores, C, kc, self._kernels, exploration, gen)  # (k,) int16
         self.last_selected_offsets = offsets
         encoded = self._kernels.encode_mask(offsets, C, kc)  # (L,) uint8
-        out = torch.empty(encoded.numel() * self.comm.world_size, dtype=torch.uint8, device=encoded.device)
-        work = self.comm.all_gather_async(out, encoded, "mask_ag")
-        gs.pending = (work, out)
-
-    def _wait_pending(self, gs: _GroupState) -> None:
-        if gs.pending is None:
-            return
-        work, out = gs.pending
-        work.wait()
-        gs.pending = None
-        self._set_active(gs, self._kernels.decode_mask(out, self.cfg.chunk_size, self.cfg.k_per_chunk))
+        gs.pending.start(self.comm, encoded, lambda out: self._set_active(gs, self._kernels.decode_mask(out, C, kc)))
 
     def _set_active(self, gs: _GroupState, offsets: torch.Tensor) -> None:
         gs.active_offsets = offsets  # (K,) int16
@@ -344,13 +320,13 @@ class ScapeAdamS(Optimizer):
     def synchronize(self) -> None:
         """Wait for every mask all-gather still in flight; call before destroying the process group."""
         for gs in self._groups or []:
-            self._wait_pending(gs)
+            gs.pending.wait()
 
     def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
         """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use."""
         self._lazy_init()
         gs = self._groups[group_index]
-        self._wait_pending(gs)
+        gs.pending.wait()
         return None if gs.active_offsets is None else gs.active_offsets.clone()
 
     def error_feedback(self, group_index: int = 0) -> torch.Tensor | None:
@@ -371,7 +347,7 @@ class ScapeAdamS(Optimizer):
         self._lazy_init()
         groups = []
         for gs in self._groups:
-            self._wait_pending(gs)
+            gs.pending.wait()
             groups.append(dict(
                 master=_clone(gs.master), momentum=_clone(gs.momentum), error=_clone(gs.error),
                 active_offsets=_clone(gs.active_offsets), decay_debt=gs.decay_debt,
@@ -393,11 +369,7 @@ class ScapeAdamS(Optimizer):
         if "scape" not in state_dict:
             raise ValueError("not a ScapeAdamS state dict (no 'scape' entry)")
         sc = state_dict["scape"]
-        if sc["world_size"] != self.comm.world_size or sc["rank"] != self.comm.rank:
-            raise ValueError(
-                f"ScapeAdamS state of rank {sc['rank']}/{sc['world_size']} cannot load on rank "
-                f"{self.comm.rank}/{self.comm.world_size}: resume with the same data-parallel size"
-            )
+        check_same_layout(sc["rank"], sc["world_size"], self.comm.rank, self.comm.world_size, "ScapeAdamS")
         self._lazy_init()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
@@ -411,7 +383,7 @@ class ScapeAdamS(Optimizer):
             _copy_into(gs.error, saved["error"])
             for m, s in zip(gs.dense_momenta, saved["dense_momenta"]):
                 m.copy_(s)
-            gs.pending = None
+            gs.pending.drop()
             gs.decay_debt = saved["decay_debt"]
             if saved["active_offsets"] is None:
                 gs.active_offsets = gs.active_index = gs.active_local = None

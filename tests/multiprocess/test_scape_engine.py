@@ -77,7 +77,8 @@ def _worker_ef_conservation(rank, world_size, tmp_path, steps):
         opt.zero_grad()
         loss_fn(model, x, y).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        index = None if opt._is_dense(opt.step_count + 1) else offsets_to_index(opt.mask_offsets(), 256, opt.cfg.k_per_chunk)
+        dense = opt.schedule.is_dense(opt.step_count + 1)
+        index = None if dense else offsets_to_index(opt.mask_offsets(), 256, opt.cfg.k_per_chunk)
         opt.step()
         n_pad = opt.error_feedback().numel()
         if accumulated is None:
@@ -116,7 +117,7 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
         x, y = make_batch(step, rank)
         opt.zero_grad()
         loss_fn(model, x, y).backward()
-        will_be_sparse = not opt._is_dense(opt.step_count + 1)
+        will_be_sparse = not opt.schedule.is_dense(opt.step_count + 1)
         if will_be_sparse and selected_prev is not None and compressor in ("scape", "topk"):
             active = opt.mask_offsets()  # what this step will use
             masks = _gather(active)
@@ -128,7 +129,7 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
             mask_checks += 1
             selected_prev = None
         opt.step()
-        if opt._is_refresh(opt.step_count):
+        if opt.schedule.is_refresh(opt.step_count):
             selected_prev = opt.last_selected_offsets
         flat = flat_params(model)
         copies = _gather(flat)

@@ -107,7 +107,7 @@ def _worker(rank, world_size, tmp_path, opt_type, sparsity, steps, gas, exchange
     if hasattr(engine.optimizer, "synchronize"):
         engine.optimizer.synchronize()
         zopt = engine.optimizer
-        memory = (zopt.memory_bytes(), 4 * sum(world_size * zopt._piece(p) for p in zopt._params),
+        memory = (zopt.memory_bytes(), 4 * sum(world_size * zopt.scape.piece(p) for p in zopt.scape.params),
                   sum(p.numel() for p in make_mlp(seed=5).parameters()))
     return dict(losses=losses, unequal=unequal, stale=stale, stats=stats, memory=memory, fetches=fetches, dtypes=dtypes)
 
@@ -167,8 +167,8 @@ def _worker_ef(rank, world_size, tmp_path, steps, gas):
     engine, *_ = scape_ds.initialize(model=model, config=cfg)
     zopt = engine.optimizer
     D = dist.get_world_size()
-    params = zopt._params
-    local = {p.ds_id: torch.zeros(D * zopt._piece(p), dtype=torch.float64) for p in params}
+    params = zopt.scape.params
+    local = {p.ds_id: torch.zeros(D * zopt.scape.piece(p), dtype=torch.float64) for p in params}
     delivered = {id(f): torch.zeros(f.numel(), dtype=torch.float64) for f in zopt.fp32_partitioned_groups_flat}
     reduce = zopt._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads
 
@@ -195,7 +195,7 @@ def _worker_ef(rank, world_size, tmp_path, steps, gas):
     zopt.synchronize()
     worst = 0.0
     for flat, offset, p in zopt._positions():
-        P = zopt._piece(p)
+        P = zopt.scape.piece(p)
         mine = delivered[id(flat)][offset: offset + P]  # (P,) mean delivered at this rank's piece
         pieces = [torch.empty_like(mine) for _ in range(D)]
         dist.all_gather(pieces, mine)
@@ -204,7 +204,7 @@ def _worker_ef(rank, world_size, tmp_path, steps, gas):
         dist.all_reduce(total_local)
         dist.all_reduce(total_error)
         worst = max(worst, float((sent_total + total_error - total_local)[: p.ds_numel].abs().max()))
-    return worst, sum(not s for s in [zopt._is_dense(t) for t in range(1, steps + 1)])
+    return worst, sum(not s for s in [zopt.scape.is_dense(t) for t in range(1, steps + 1)])
 
 
 def test_error_feedback_conserves_everything_under_zero3(tmp_path):

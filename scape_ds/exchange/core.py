@@ -1,0 +1,126 @@
+"""The parts of the exchange both SCAPE optimizers share (docs/design.md section 1).
+
+:class:`~scape_ds.optim.ScapeAdamS` (path A) and the ZeRO-3 ``ScapeStage3`` (path B) differ in
+what they pack and where their state lives; they run the same schedule and bookkeeping:
+
+- :class:`MaskSchedule`: which steps refresh the mask and which exchange densely;
+- :class:`PendingMasks`: the asynchronous all-gather of a new mask, waited for by the next step;
+- :func:`settle_decay` / :func:`owe_decay`: lazy weight decay of the coordinates outside the mask;
+- :func:`step_comm_stats`: the per-step ``comm_stats`` dict;
+- :func:`check_same_layout`: a checkpoint loads only on the rank and world size that saved it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["MaskSchedule", "PendingMasks", "is_refresh_step", "settle_decay", "owe_decay", "step_comm_stats",
+           "check_same_layout"]
+
+
+def is_refresh_step(t: int, interval: int) -> bool:
+    """Whether step ``t`` (1-based) chooses the next mask: the first step and every ``interval`` after."""
+    return t == 1 or (t - 1) % interval == 0
+
+
+@dataclass(frozen=True)
+class MaskSchedule:
+    """Refresh and dense-step decisions of a run.
+
+    Attributes:
+        interval: T, ``mask_refresh_interval``: steps 1, T+1, 2T+1, ... choose the next mask.
+        dense_refresh: refresh steps exchange densely (flushing every residual).
+        always_dense: every step is dense (``compressor="dense"``, or no mask to apply).
+    """
+
+    interval: int
+    dense_refresh: bool
+    always_dense: bool = False
+
+    def is_refresh(self, t: int) -> bool:
+        """Whether step ``t`` (1-based) selects the next mask (used from step ``t + 1`` on)."""
+        return is_refresh_step(t, self.interval)
+
+    def is_dense(self, t: int) -> bool:
+        """Whether step ``t`` (1-based) exchanges everything: the first step (no mask yet), and each
+        refresh step under ``dense_refresh``."""
+        return self.always_dense or t == 1 or (self.dense_refresh and self.is_refresh(t))
+
+
+class PendingMasks:
+    """At most one asynchronous mask all-gather in flight, decoded when it is waited for.
+
+    The masks of a refresh step travel while the next forward and backward run; the next exchange
+    calls :meth:`wait` first. Costs the gathered buffer (world_size times the local mask) until then.
+    """
+
+    def __init__(self):
+        self._pending: tuple[Any, torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def start(self, comm, local: torch.Tensor, decode: Callable[[torch.Tensor], None], tag: str = "mask_ag") -> None:
+        """All-gather ``local`` (this rank's encoded mask) over ``comm`` without waiting; ``decode``
+        gets the (world_size * local.numel(),) rank-major result when :meth:`wait` is called."""
+        assert self._pending is None, "wait for the masks in flight before starting new ones"
+        out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
+        self._pending = (comm.all_gather_async(out, local, tag), out, decode)
+
+    def wait(self) -> None:
+        """Wait for the all-gather in flight, if any, and decode it."""
+        if self._pending is None:
+            return
+        work, out, decode = self._pending
+        work.wait()
+        self._pending = None
+        decode(out)
+
+    def drop(self) -> None:
+        """Forget the all-gather in flight (a loaded checkpoint brings its own masks)."""
+        self._pending = None
+
+
+def settle_decay(flat: torch.Tensor, debt: float, kept: torch.Tensor | None) -> float:
+    """Apply the weight decay owed outside the last mask; returns the debt left (1.0).
+
+    On a sparse step AdamS runs only at the mask, so the coordinates outside it miss their decay
+    ``(1 - lr * weight_decay)``; the product of what they missed (``debt``) is applied at the next
+    dense step, to every coordinate of ``flat`` but those at ``kept`` (the mask they were updated at).
+    """
+    if kept is not None and debt != 1.0:
+        values = flat[kept]
+        flat.mul_(debt)
+        flat[kept] = values
+    return 1.0
+
+
+def owe_decay(debt: float, lr: float, weight_decay: float) -> float:
+    """The decay debt after one more sparse step."""
+    return debt * (1.0 - lr * weight_decay)
+
+
+def step_comm_stats(meter, step: int, dense_step: bool) -> dict[str, Any]:
+    """This step's ``comm_stats`` from ``meter`` (its per-step counters are reset).
+
+    Keys: ``step``, ``dense_step``, ``bytes_sent`` (every tag but ``init``), ``bytes_dense`` (what
+    the dense exchange it replaces sends, recorded by the optimizer with ``meter.record_dense``),
+    ``by_tag``.
+    """
+    by_tag, dense_bytes = meter.step_bytes()
+    return dict(step=step, dense_step=dense_step, bytes_sent=sum(by_tag.values()), bytes_dense=dense_bytes,
+                by_tag=by_tag)
+
+
+def check_same_layout(saved_rank: int, saved_world_size: int, rank: int, world_size: int, what: str) -> None:
+    """Refuse a sharded state saved on another data-parallel rank or world size.
+
+    Raises:
+        ValueError: naming both layouts.
+    """
+    if (saved_rank, saved_world_size) != (rank, world_size):
+        raise ValueError(f"{what} state of rank {saved_rank}/{saved_world_size} cannot load on rank "
+                         f"{rank}/{world_size}: resume with the same data-parallel size")
