@@ -199,7 +199,8 @@ def build_engine(args, cfg: dict, device):
     return engine, model, dp_rank, dp_size, dp_group, pp > 1
 
 
-def train(args, cfg: dict) -> dict:
+def train(args, cfg: dict, on_step=None) -> dict:
+    """Train per ``args``; ``on_step(step, engine)``, if given, runs on every rank after each optimizer step."""
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -269,6 +270,8 @@ def train(args, cfg: dict) -> dict:
             dist.all_reduce(loss_sum, group=dp_group)  # logging only: the mean over ranks and micro-batches
             mean_loss = float(loss_sum) / (gas * dp_size)
         step_time = time.perf_counter() - t0
+        if on_step is not None:
+            on_step(step + 1, engine)
         if opt is not None:
             sent, dense = int(opt.comm_stats["bytes_sent"]), int(opt.comm_stats["bytes_dense"])
         else:
