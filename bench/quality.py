@@ -563,7 +563,8 @@ def import_legacy(legacy_dir: str) -> dict[str, dict]:
             cfg = json.load(f)
         with open(os.path.join(legacy_dir, f"{name}.jsonl"), encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        rev = subprocess.run(["git", "-C", legacy_dir, "log", "-1", "--format=%h", "--", f"{name}.json"],
+        rev = subprocess.run(["git", "-C", legacy_dir, "log", "-1", "--format=%h", "--diff-filter=AM", "--",
+                              f"{name}.json"],
                              capture_output=True, text=True).stdout.split()
         rid = run_id(name, opts)
         results[rid] = dict(run=rid, name=name, label=old["label"], **describe(name, cfg),
@@ -602,7 +603,7 @@ def _fmt(x) -> str:
     if x is None:
         return ""
     if isinstance(x, float):
-        return "" if math.isnan(x) else f"{x:.6g}"
+        return "" if math.isnan(x) else f"{x:.8g}"
     return str(x)
 
 
@@ -716,7 +717,7 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="all",
                     help="comma-separated run names or groups: " + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
@@ -737,7 +738,11 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="rerun runs that already have results (from scratch)")
     ap.add_argument("--plot-only", action="store_true", help="table and plot from --bench-dir's CSVs")
     ap.add_argument("--import-legacy", metavar="DIR", help="add the runs of an old-layout results dir to the CSVs")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.plot_only:
             rows, curves = read_tables(args.bench_dir)
@@ -760,8 +765,9 @@ def main(argv=None) -> int:
         print(f"quality.py: error: {e}", file=sys.stderr)
         return 2
     if not rows:
-        print("no results yet", file=sys.stderr)
-        return 1
+        print("no finished runs yet" + (" (--stop-at: rerun without it to finish them)" if args.stop_at else ""),
+              file=sys.stderr)
+        return 0 if args.stop_at else 1
     print(table(rows))
     if not args.no_summary:
         plot(rows, curves, os.path.join(args.bench_dir, PLOT_PNG))
