@@ -519,7 +519,20 @@ def run(names: list[str], out_dir: str, force: bool = False, stop_at: int | None
     if todo:
         mp.start_processes(_worker, args=(opts["ranks"], _free_port(), todo, opts, out_dir, stop_at),
                            nprocs=opts["ranks"], start_method="spawn")
+        update_displacement_ratios(out_dir)
     return load_results([run_id(n, opts) for n in names], out_dir)
+
+
+def update_displacement_ratios(out_dir: str) -> None:
+    """Write ``displacement_vs_adams`` into every run summary in ``out_dir`` (see add_displacement_ratios)."""
+    summaries = {}
+    for fname in sorted(os.listdir(out_dir)):
+        if fname.endswith(".json") and not fname.endswith(".ds_config.json"):
+            with open(os.path.join(out_dir, fname), encoding="utf-8") as f:
+                summaries[fname] = json.load(f)
+    add_displacement_ratios(summaries)
+    for fname, summary in summaries.items():
+        _atomic_write(os.path.join(out_dir, fname), json.dumps(summary, indent=2))
 
 
 def load_results(run_ids: list[str], out_dir: str) -> dict[str, dict]:

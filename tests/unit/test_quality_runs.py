@@ -203,3 +203,16 @@ def test_tracked_tables_cover_the_bundled_runs():
         assert r["command"].startswith("python bench/quality.py"), rid
         assert curves.get(rid), rid
         assert int(r["steps"]) == curves[rid][-1][0] and float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=1e-6)
+
+
+def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
+    base = dict(lr=1e-3, n_layer=2, n_embd=128, steps=100, seed=1234, ranks=2, val_fraction=0.05)
+    runs = {"adams_lr1e-3__steps100": dict(base, method="adams", mean_abs_displacement=0.04),
+            "scape99_lr1e-3__steps100": dict(base, method="scape", mean_abs_displacement=0.01),
+            "scape99__steps100": dict(base, lr=3e-3, method="scape", mean_abs_displacement=0.02)}
+    for rid, s in runs.items():
+        (tmp_path / f"{rid}.json").write_text(json.dumps(s))
+    (tmp_path / "x.ds_config.json").write_text("{}")
+    quality.update_displacement_ratios(str(tmp_path))
+    ratio = {rid: json.loads((tmp_path / f"{rid}.json").read_text())["displacement_vs_adams"] for rid in runs}
+    assert ratio == {"adams_lr1e-3__steps100": 1.0, "scape99_lr1e-3__steps100": 0.25, "scape99__steps100": ""}
