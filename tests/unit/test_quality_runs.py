@@ -1,12 +1,15 @@
-"""bench/quality.py's --runs: run and group names expand in order, without repeats; bad names fail."""
+"""bench/quality.py without training: run names and ids, settings, configs, the diagnostics hook, resume
+bookkeeping and the tracked summary tables."""
+import csv
+import json
+import math
 import os
-import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import quality  # noqa: E402
+import quality  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
 
 
 def test_groups_expand_in_order_without_repeats():
@@ -26,3 +29,188 @@ def test_unknown_run_name_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown run 'adamx'"):
         quality.run(["adamw", "adamx"], str(tmp_path))
     assert not os.listdir(tmp_path)
+
+
+def test_generic_flags_and_train_iters_alias():
+    args = quality.build_parser().parse_args(["--train-iters", "60", "--seed", "7", "--n-layer", "4", "--n-embd", "192",
+                                              "--ranks", "4", "--lr", "6e-3", "--val-fraction", "0.1"])
+    assert (args.steps, args.seed, args.n_layer, args.n_embd, args.ranks, args.lr, args.val_fraction) == \
+        (60, 7, 4, 192, 4, 6e-3, 0.1)
+    assert quality.build_parser().parse_args(["--steps", "80"]).steps == 80
+    assert quality.build_parser().parse_args([]).out == os.path.join(REPO, "runs", "quality")
+    assert quality.resolve_opts(train_iters=60)["steps"] == 60
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(TypeError, match="unknown options"):
+        quality.resolve_opts(stepz=3)
+    with pytest.raises(ValueError, match="--n-embd 130 must be divisible"):
+        quality.resolve_opts(n_embd=130)
+    with pytest.raises(ValueError, match="--lr must be > 0"):
+        quality.resolve_opts(lr=0.0)
+    with pytest.raises(ValueError, match="--val-fraction"):
+        quality.resolve_opts(val_fraction=0.9)
+    with pytest.raises(ValueError, match="--stop-at"):
+        quality.run(["adamw"], "/nonexistent/never", stop_at=10, ckpt_interval=0)
+
+
+def test_run_id_names_only_the_settings_that_differ():
+    d = quality.resolve_opts()
+    assert quality.run_id("adamw", d) == "adamw"
+    assert quality.run_id("adamw", dict(d, lr=3e-3)) == "adamw"  # its own lr
+    assert quality.run_id("adamw_lr1e-3", dict(d, lr=1e-3)) == "adamw_lr1e-3"
+    assert quality.run_id("scape99", dict(d, n_layer=4, n_embd=192, steps=2000, lr=6e-3)) == \
+        "scape99__L4_E192_steps2000_lr0.006"
+    assert quality.run_id("adams", dict(d, seed=7, ranks=4, val_fraction=0.1)) == "adams__s7_r4_vf0.1"
+    assert quality.rerun_command("scape99", dict(d, n_layer=4, lr=6e-3)) == \
+        "python bench/quality.py --runs scape99 --n-layer 4 --lr 0.006"
+
+
+def test_config_lr_override_and_method_columns():
+    cfg = quality.make_config("scape99_lr1e-3", 300, 16, 50)
+    assert cfg["optimizer"]["params"]["lr"] == 1e-3
+    assert quality.make_config("scape99_lr1e-3", 300, 16, 50, lr=6e-3)["optimizer"]["params"]["lr"] == 6e-3
+    assert cfg["scheduler"]["params"]["total_num_steps"] == 300
+    methods = {n: quality.describe(n, quality.make_config(n, 10, 16, 5)) for n in ("adamw", "adams", "scape90",
+                                                                                    "topk99", "randk99_lr1e-3")}
+    assert {n: m["method"] for n, m in methods.items()} == {"adamw": "adamw", "adams": "adams", "scape90": "scape",
+                                                             "topk99": "topk", "randk99_lr1e-3": "randk"}
+    assert methods["scape90"]["update_rule"] == "lazy" and methods["scape90"]["sparsity"] == 0.9
+    assert methods["adamw"]["sparsity"] == 0.0 and methods["adamw"]["update_rule"] == ""
+
+
+def test_initial_params_rebuild_the_model_without_touching_the_rng():
+    from scape_ds.models import GPT, GPTConfig
+
+    opts = quality.resolve_opts(n_layer=1, n_embd=32)
+    torch.manual_seed(99)
+    before = torch.rand(3)
+    torch.manual_seed(99)
+    p0 = quality.initial_params(opts)
+    assert torch.equal(torch.rand(3), before)
+    torch.manual_seed(opts["seed"])
+    model = GPT(GPTConfig(vocab_size=256, seq_len=128, n_layer=1, n_head=4, n_embd=32))
+    assert torch.equal(p0, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+class _Engine:
+    def __init__(self, n):
+        self.module = torch.nn.Linear(n, 1, bias=False)  # n parameters
+
+
+def _step(engine, idx, delta=0.5):
+    with torch.no_grad():
+        engine.module.weight.view(-1)[idx] += delta
+
+
+def test_diagnostics_count_moved_coordinates_per_window_and_resume_exactly():
+    eng = _Engine(10)
+    p0 = eng.module.weight.detach().reshape(-1).clone()
+    diag = quality.Diagnostics(p0, window=2, rank=0)
+    diag(1, eng)  # nothing moved (lr 0 at step 1)
+    _step(eng, [0, 1, 2])
+    diag(2, eng)
+    assert diag.max_abs_displacement_step1 == 0.0
+    assert diag.windows == [dict(step=2, steps=2, frac_updated=pytest.approx(0.3), mean_step_frac=pytest.approx(0.15),
+                                 mean_abs_displacement=pytest.approx(0.15))]
+    _step(eng, [0])
+    diag(3, eng)
+    state = json.loads(json.dumps({k: v for k, v in diag.state_dict(12.5).items() if k not in ("prev", "changed")}))
+    resumed = quality.Diagnostics(p0, window=2, rank=0)
+    resumed.load_state_dict(dict(state, prev=diag.prev.clone(), changed=diag.changed.clone()))
+    assert resumed.wall_before == 12.5
+    _step(eng, [5, 6])
+    diag(4, eng)
+    resumed(4, eng)
+    assert resumed.windows == diag.windows
+    # step 3 moved 1 coordinate, step 4 two others: 3 of 10 in the window, 0.15 per step on average
+    assert diag.windows[1] == dict(step=4, steps=2, frac_updated=pytest.approx(0.3), mean_step_frac=pytest.approx(0.15),
+                                   mean_abs_displacement=pytest.approx(3.0 / 10))
+    s = diag.summary()
+    assert s["frac_updated_last_window"] == pytest.approx(0.3) and s["mean_abs_displacement"] == pytest.approx(0.3)
+    other_rank = quality.Diagnostics(p0, window=2, rank=1)
+    other_rank(1, eng)
+    assert other_rank.windows == [] and other_rank.window_steps == 0
+
+
+def test_resume_bookkeeping(tmp_path):
+    ckpt = tmp_path / "r.ckpt"
+    assert quality._checkpoint_step(str(ckpt)) == 0
+    (ckpt / "global_step30").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step30")
+    assert quality._checkpoint_step(str(ckpt)) == 0, "a checkpoint without the diagnostics' state is not resumable"
+    (ckpt / "global_step30" / quality.CKPT_STATE).write_bytes(b"x")
+    assert quality._checkpoint_step(str(ckpt)) == 30
+    metrics = tmp_path / "r.jsonl"
+    metrics.write_text("".join(json.dumps(dict(step=s, loss=1.0)) + "\n" for s in range(1, 41)))
+    quality._keep_rows_up_to(str(metrics), 30)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 31))
+
+
+def _legacy_run(d, name, val_loss, wall_s=10.0):
+    cfg = quality.make_config(name, 20, 16, 5)
+    opts = dict(quality.DEFAULTS, train_iters=20)
+    del opts["steps"], opts["lr"], opts["ranks"], opts["val_fraction"], opts["ckpt_interval"], opts["diag_window"]
+    (d / f"{name}.ds_config.json").write_text(json.dumps(cfg))
+    (d / f"{name}.json").write_text(json.dumps(dict(steps=20, val_loss=val_loss, bytes_sent=10, bytes_dense=40,
+                                                    wall_s=wall_s, name=name, label=quality.RUNS[name][0], opts=opts)))
+    rows = [dict(step=s, loss=5.0 - s / 10) | (dict(val_loss=val_loss + (20 - s) / 100) if s % 10 == 0 else {})
+            for s in range(1, 21)]
+    (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_legacy_import_and_tables(tmp_path):
+    legacy, bench = tmp_path / "legacy", tmp_path / "bench"
+    legacy.mkdir()
+    _legacy_run(legacy, "adamw", 2.0)
+    _legacy_run(legacy, "scape99", 2.5)
+    results = quality.import_legacy(str(legacy))
+    assert set(results) == {"adamw__steps20", "scape99__steps20"}
+    rows = quality.write_tables(results, str(bench))
+    assert list(rows) == ["adamw__steps20", "scape99__steps20"]
+    with open(bench / quality.SUMMARY_CSV, newline="") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == quality.SUMMARY_COLUMNS
+    assert [(r["run"], r["method"], r["update_rule"], float(r["val_loss"]), float(r["bytes_frac"]), r["steps"])
+            for r in table] == [("adamw__steps20", "adamw", "", 2.0, 0.25, "20"),
+                                ("scape99__steps20", "scape", "lazy", 2.5, 0.25, "20")]
+    assert table[1]["command"] == "python bench/quality.py --runs comparison,sweep"
+    _, curves = quality.read_tables(str(bench))
+    assert curves["scape99__steps20"] == [(10, pytest.approx(2.6)), (20, pytest.approx(2.5))]
+    # a new row with diagnostics, and the dense AdamS row it is compared with; same id replaces
+    new = {"adams__steps20": dict(run="adams__steps20", method="adams", lr=3e-3, n_layer=2, n_embd=128, steps=20,
+                                  seed=1234, ranks=2, val_fraction=0.05, val_loss=2.2, bytes_frac=1.0, wall_s=9.0,
+                                  mean_abs_displacement=0.02, label="dense AdamS", curve=[(20, 2.2)]),
+           "scape99__steps20": dict(results["scape99__steps20"], val_loss=2.4, mean_abs_displacement=0.005)}
+    rows = quality.write_tables(new, str(bench))
+    assert len(rows) == 3 and float(rows["scape99__steps20"]["val_loss"]) == 2.4
+    assert float(rows["scape99__steps20"]["displacement_vs_adams"]) == pytest.approx(0.25)
+    assert rows["adamw__steps20"]["displacement_vs_adams"] == ""
+    text = quality.table(rows)
+    assert "| scape99__steps20 | 2.4000 | 1.2000 | 25.00% |" in text
+    rows, curves = quality.read_tables(str(bench))
+    quality.plot(rows, curves, str(bench / quality.PLOT_PNG))
+    assert os.path.getsize(bench / quality.PLOT_PNG) > 0
+    assert not math.isnan(quality._num(rows["adams__steps20"]["mean_abs_displacement"]))
+
+
+def test_tracked_tables_cover_the_bundled_runs():
+    rows, curves = quality.read_tables(os.path.join(REPO, "bench"))
+    assert set(quality.RUNS) <= {r.split("__")[0] for r in rows}
+    for rid, r in rows.items():
+        assert r["command"].startswith("python bench/quality.py"), rid
+        assert curves.get(rid), rid
+        assert int(r["steps"]) == curves[rid][-1][0] and float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=1e-6)
+
+
+def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
+    base = dict(lr=1e-3, n_layer=2, n_embd=128, steps=100, seed=1234, ranks=2, val_fraction=0.05)
+    runs = {"adams_lr1e-3__steps100": dict(base, method="adams", mean_abs_displacement=0.04),
+            "scape99_lr1e-3__steps100": dict(base, method="scape", mean_abs_displacement=0.01),
+            "scape99__steps100": dict(base, lr=3e-3, method="scape", mean_abs_displacement=0.02)}
+    for rid, s in runs.items():
+        (tmp_path / f"{rid}.json").write_text(json.dumps(s))
+    (tmp_path / "x.ds_config.json").write_text("{}")
+    quality.update_displacement_ratios(str(tmp_path))
+    ratio = {rid: json.loads((tmp_path / f"{rid}.json").read_text())["displacement_vs_adams"] for rid in runs}
+    assert ratio == {"adams_lr1e-3__steps100": 1.0, "scape99_lr1e-3__steps100": 0.25, "scape99__steps100": ""}
