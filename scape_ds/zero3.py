@@ -52,7 +52,7 @@ import torch.distributed as dist
 from .comm import TorchCommunicator, collective_bytes
 from .config import ScapeConfig, offload_enabled
 from .kernels import get_kernels
-from .optim.adams import adams, check_adams_hyperparameters
+from .optim.adams import check_adams_hyperparameters
 from .optim.scape import is_refresh_step
 
 __all__ = ["Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals",
@@ -162,7 +162,8 @@ class Stage3AdamS(torch.optim.Optimizer):
                         p.mul_(state["decay_debt"])
                         p[last] = kept
                     state["decay_debt"] = 1.0
-                    adams([p], [p.grad], [m], step=t, bias_correction=group["bias_correction"], **hyper)
+                    c = 1.0 - beta1**t if group["bias_correction"] else 1.0
+                    get_kernels(p.device).dense_adams_update(p, m, p.grad, grad_scale=1.0, bias_correction=c, **hyper)
                 else:
                     c = 1.0 - beta1**t if group["bias_correction"] else 1.0
                     out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)
