@@ -37,7 +37,8 @@ class ScapeConfig(BaseModel):
 
     chunk_size: int = 4096
     """C: masks keep a fixed kc = round(rho * C) coordinates in every chunk of C elements; a power
-    of two in [8, 65536] so offsets fit in 16 bits."""
+    of two in [8, 65536] so offsets fit in 16 bits. On CUDA a chunk up to 16384 is selected by one
+    Triton program; larger chunks fall back to the torch kernel (one warning; slower)."""
 
     dense_refresh: bool = True
     """Refresh steps exchange the whole error-feedback-corrected gradient (flushes all residuals)
@@ -60,6 +61,13 @@ class ScapeConfig(BaseModel):
 
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """``auto``: Triton for CUDA tensors when available, torch otherwise."""
+
+    error_feedback_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of the error-feedback buffer (N elements per rank, the largest SCAPE buffer): ``bf16``
+    halves it. What is lost: each step rounds the accumulated ``e + g`` to bf16 (relative error up
+    to 2^-9), and that rounding residual is not fed back; on dense refresh steps the sum is formed
+    in the parameter dtype, so only residuals carried between refreshes are rounded. Measured in
+    bench/RESULTS.md. Stage 0/1 (ScapeAdamS) only."""
 
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""

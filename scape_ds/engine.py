@@ -129,6 +129,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         check_stage3_config(cfg)
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
             raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+        if scape_cfg.error_feedback_dtype != "fp32":
+            raise ValueError(f"scape.error_feedback_dtype {scape_cfg.error_feedback_dtype!r} is for ZeRO stage 0/1; "
+                             f"under ZeRO stage 3 it must be 'fp32'")
         if scape_cfg.param_exchange == "sparse_replica":
             ds_cfg["zero_optimization"] = replica_zero_config(ds_cfg["zero_optimization"])
         stage3_cls = scape_stage3_class(scape_cfg)
@@ -178,6 +181,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if not isinstance(engine.optimizer, ScapeAdamS):
             raise RuntimeError(f"DeepSpeed wrapped ScapeAdamS in {type(engine.optimizer).__name__}; expected it bare")
         engine.enable_backward_allreduce = False  # SCAPE's sparse exchange replaces the dense all-reduce
+        # DeepSpeed's zero_grad sets every .grad to None; ScapeAdamS's keeps them views into its flat
+        # gradient buffer, so that backward accumulates there and no step copies gradients
+        engine.zero_grad = engine.optimizer.zero_grad
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
     return engine, opt, loader, sched

@@ -60,7 +60,7 @@ from .exchange.core import owe_decay, settle_decay
 from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
 from .kernels import get_kernels
-from .optim.adams import adams, check_adams_hyperparameters
+from .optim.adams import check_adams_hyperparameters
 
 __all__ = ["ScapeStage3", "Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals",
            "replica_zero_config"]
@@ -147,7 +147,8 @@ class Stage3AdamS(torch.optim.Optimizer):
                 if index is None:
                     # lazy weight decay, as on path A: coordinates outside the last mask missed it
                     state["decay_debt"] = settle_decay(p, state["decay_debt"], state.pop("last_index", None))
-                    adams([p], [p.grad], [m], step=t, bias_correction=group["bias_correction"], **hyper)
+                    c = 1.0 - beta1**t if group["bias_correction"] else 1.0
+                    get_kernels(p.device).dense_adams_update(p, m, p.grad, grad_scale=1.0, bias_correction=c, **hyper)
                 else:
                     c = 1.0 - beta1**t if group["bias_correction"] else 1.0
                     out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)

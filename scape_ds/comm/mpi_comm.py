@@ -38,6 +38,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
+def _is_own_slice(inp: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
+    """Whether ``inp`` is the block of ``out`` that ``rank`` contributes to an all-gather into ``out``."""
+    return (inp.device == out.device and inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            and inp.data_ptr() == out.data_ptr() + rank * inp.numel() * inp.element_size())
+
+
 class _Request:
     """An in-flight MPI request plus what must happen when it completes (copy back to the GPU)."""
 
@@ -117,9 +123,15 @@ class MPICommunicator:
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> _Request:
         assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
         self.meter.record(tag, collective_bytes("all_gather", self._nbytes(inp), self.world_size))
-        h_in, _ = self._host(inp)
         h_out, staged = self._host(out)
-        req = self.comm.Iallgather(self._buf(h_in), self._buf(h_out))
+        if _is_own_slice(inp, out, self.rank):
+            # in place (SCAPE's dense step): this rank's part already sits in ``out``; MPI forbids
+            # aliased send and receive buffers, so say IN_PLACE
+            h_in, send = None, self._MPI.IN_PLACE
+        else:
+            h_in, _ = self._host(inp)
+            send = self._buf(h_in)
+        req = self.comm.Iallgather(send, self._buf(h_out))
         finish = (lambda: out.copy_(h_out)) if staged else None
         return _Request(req, (h_in, h_out), finish)
 

@@ -54,7 +54,8 @@ class SimulatedCommunicator:
 
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> _Done:
         self._count("all_gather", inp, tag)
-        out.view(self.world_size, -1).copy_(inp.view(1, -1))  # (D, n): every rank's part is ours
+        # (D, n): every rank's part is ours; inp may be our own block of out (an in-place all-gather)
+        out.view(self.world_size, -1).copy_(inp.view(1, -1).clone())
         return _Done()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:

@@ -1,7 +1,7 @@
 """Kernel dispatch: one place chooses the Triton or the torch implementation of every hot op.
 
 ``get_kernels(device, setting)`` returns a namespace with the functions of ``torch_kernels``
-(``ef_accumulate_pack``, ``chunk_topk``, ``masked_adams_update``, ``scatter_values``,
+(``ef_accumulate_pack``, ``chunk_topk``, ``masked_adams_update``, ``dense_adams_update``, ``scatter_values``,
 ``encode_mask``, ``decode_mask``, ``mask_uses_bitmask``). ``setting`` is the config's ``kernels``:
 ``"auto"`` takes Triton for CUDA tensors when it imports and torch otherwise; ``"triton"`` insists
 (Triton on CPU tensors works only under ``TRITON_INTERPRET=1``); ``"torch"`` never uses Triton.

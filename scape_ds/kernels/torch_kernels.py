@@ -4,15 +4,23 @@ Every function here has a Triton twin in ``triton_kernels.py`` with the same sig
 dispatch in ``scape_ds.kernels`` picks one per device. Shapes use N for a flat buffer, S for one
 rank's shard (a multiple of the chunk size C), kc for kept coordinates per chunk and
 k = (S // C) * kc for one shard's kept coordinates.
+
+Passes over a whole shard (``dense_adams_update``, ``chunk_topk``) work in blocks of at most
+``BLOCK_NUMEL`` elements, so their temporaries are bounded (a few MiB) whatever the shard size:
+a step allocates no tensor that grows with the model except where the algorithm needs one.
 """
 from __future__ import annotations
 
 import torch
 
+BLOCK_NUMEL = 1 << 18  # elements per block of a whole-shard pass: 1 MiB of fp32 temporaries
+
 __all__ = [
+    "BLOCK_NUMEL",
     "ef_accumulate_pack",
     "chunk_topk",
     "masked_adams_update",
+    "dense_adams_update",
     "scatter_values",
     "encode_mask",
     "decode_mask",
@@ -46,6 +54,9 @@ def ef_accumulate_pack(error: torch.Tensor, grad: torch.Tensor, index: torch.Ten
 def chunk_topk(scores: torch.Tensor, chunk_size: int, k_per_chunk: int) -> torch.Tensor:
     """Chunk-wise top-k of ``|scores|``: the kc largest magnitudes of every chunk of C elements.
 
+    ``torch.topk`` on a (chunks, C) view, a block of at most ``BLOCK_NUMEL`` elements (or one
+    chunk) at a time, so the |scores| temporary is bounded.
+
     Args:
         scores: (S,) float tensor, S a multiple of ``chunk_size``; the magnitude is taken here.
         chunk_size: C, a power of two <= 65536.
@@ -55,13 +66,18 @@ def chunk_topk(scores: torch.Tensor, chunk_size: int, k_per_chunk: int) -> torch
         (S // C * kc,) int16 offsets within each chunk (read as uint16 when C = 65536), chunk-major
         and ascending inside each chunk. Ties are broken by torch.topk.
     """
-    chunks = scores.detach().abs().view(-1, chunk_size)  # (S/C, C)
+    chunks = scores.detach().view(-1, chunk_size)  # (S/C, C)
+    n_chunks = chunks.shape[0]
     if k_per_chunk == chunk_size:
-        offsets = torch.arange(chunk_size, device=scores.device).expand(chunks.shape[0], -1)
-    else:
-        offsets = chunks.float().topk(k_per_chunk, dim=1, sorted=False).indices
-        offsets = offsets.sort(dim=1).values
-    return offsets.reshape(-1).to(torch.int32).to(torch.int16)
+        one = torch.arange(chunk_size, device=scores.device, dtype=torch.int32).to(torch.int16)  # (C,)
+        return one.repeat(n_chunks)  # (S,) int16: every offset
+    out = torch.empty(n_chunks, k_per_chunk, dtype=torch.int16, device=scores.device)  # (S/C, kc)
+    rows = max(1, BLOCK_NUMEL // chunk_size)
+    for r0 in range(0, n_chunks, rows):
+        block = chunks[r0 : r0 + rows].abs().float()  # (rows, C) fp32 temporary
+        top = block.topk(k_per_chunk, dim=1, sorted=False).indices.sort(dim=1).values  # (rows, kc) int64
+        out[r0 : r0 + rows] = top.to(torch.int32).to(torch.int16)
+    return out.view(-1)
 
 
 def masked_adams_update(
@@ -109,6 +125,61 @@ def masked_adams_update(
     momentum.index_copy_(0, index, m)
     out.copy_(p)
     return out
+
+
+def dense_adams_update(
+    param: torch.Tensor,
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    grad_scale: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: float,
+) -> torch.Tensor:
+    """AdamS over a whole flat shard, in place: the dense and refresh steps' update in one pass.
+
+    The update of :func:`masked_adams_update` at every coordinate, with ``g = grad * grad_scale``
+    (the 1/D of the mean and the clipping factor folded in, so the reduced gradient is read once
+    and never copied). Here in blocks of ``BLOCK_NUMEL`` with the op sequence of
+    ``scape_ds.optim.adams``: on one thread the result equals ``adams()`` bitwise when
+    ``grad_scale`` is 1 (tests/unit/test_kernels.py); the Triton twin agrees to fp32 rounding.
+
+    Args:
+        param: (S,) master shard (fp32, or fp64 for fp64 parameters), updated in place.
+        momentum: (S,) momentum, same dtype, updated in place.
+        grad: (S,) reduced gradient sum or mean, any float dtype (computed in ``param.dtype``).
+        out: optional (S,) compute-dtype copy of the shard (the flat parameters when the master is a
+            separate fp32 copy), written with the new values; ``None`` when ``param`` is that copy.
+        grad_scale: multiplies ``grad``.
+
+    Returns:
+        ``param``.
+    """
+    n = param.numel()
+    assert momentum.numel() == n and grad.numel() == n and (out is None or out.numel() == n)
+    c = bias_correction
+    for i in range(0, n, BLOCK_NUMEL):
+        j = min(n, i + BLOCK_NUMEL)
+        p, m = param[i:j], momentum[i:j]  # views
+        g = grad[i:j].to(param.dtype)  # (B,) a copy only for another dtype
+        if grad_scale != 1.0:
+            g = g * grad_scale  # (B,)
+        if weight_decay != 0.0:
+            p.mul_(1.0 - lr * weight_decay)
+        second = m / c  # (B,) the same op sequence (and rounding) as adams()
+        second.mul_(second).mul_(beta2)
+        second.add_(g * g, alpha=1.0 - beta2)
+        second.sqrt_().add_(eps)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        p.addcdiv_(m, second, value=-lr / c)
+        if out is not None:
+            out[i:j].copy_(p)
+    return param
 
 
 def scatter_values(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,14 @@ Small and 1-D tensors are all-reduced densely and updated by every rank alike. T
 this code: ``compressor="topk"`` (mask from |reduced gradient| of the refresh step), ``"randk"``
 (a seeded random mask), ``"dense"`` (every step dense: sharded dense AdamS).
 
-Memory per rank, for N sparse parameter elements over D ranks: master + momentum 2*4*N/D bytes,
-error feedback 4*N (one fp32 copy of the gradient), a flat gradient staging buffer of N in the
-compute dtype. The parameters themselves become views into one flat buffer.
+Memory per rank, for N sparse parameter elements over D ranks (``memory_bytes()``; the formulas and
+the table against AdamW are in ``scape_ds.optim.memory`` and README "Memory"): the parameters and
+their gradients are views into two flat buffers of N (compute dtype; backward accumulates straight
+into the gradient buffer, as DDP's ``gradient_as_bucket_view``, so there is no staging copy);
+momentum 4*N/D; the fp32 master shard is a view of the flat parameters when they are fp32 (a
+4*N/D copy otherwise); error feedback 4*N (2*N with ``error_feedback_dtype="bf16"``). A sparse step
+allocates nothing that grows with N beyond the k packed values; a dense step at most one N-sized
+buffer (none for fp32 parameters with fp32 error feedback).
 """
 from __future__ import annotations
 
@@ -52,11 +57,13 @@ class _GroupState:
     sparse_params: list[torch.Tensor]
     dense_params: list[torch.Tensor]
     flat_param: torch.Tensor | None  # (N_pad,) compute dtype; sparse params are views into it
-    master: torch.Tensor | None  # (S,) fp32, this rank's shard
+    master: torch.Tensor | None  # (S,) fp32, this rank's shard (a view of flat_param when that is fp32)
     momentum: torch.Tensor | None  # (S,) fp32
-    error: torch.Tensor | None  # (N_pad,) fp32 error feedback (None for compressor "dense")
-    flat_grad: torch.Tensor | None  # (N_pad,) compute dtype staging of the local gradient
+    error: torch.Tensor | None  # (N_pad,) fp32/bf16 error feedback (None for compressor "dense")
+    flat_grad: torch.Tensor | None  # (N_pad,) compute dtype; the sparse params' .grad are views into it
     dense_momenta: list[torch.Tensor] = field(default_factory=list)
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # each sparse param's .grad in flat_grad
+    grad_divisor: float = 1.0  # this step's reduced sparse gradient is a sum over this many ranks (1: a mean)
     active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
     active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
     active_local: torch.Tensor | None = None  # (k,) int64 this rank's part of active_index, shard-local
@@ -117,6 +124,7 @@ class ScapeAdamS(Optimizer):
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
+        self.grad_copies = 0  # gradients found outside the flat buffer and copied in (.grad replaced)
         self.last_selected_offsets: torch.Tensor | None = None  # this rank's part of the newest mask
 
     # ------------------------------------------------------------------ build
@@ -149,11 +157,17 @@ class ScapeAdamS(Optimizer):
                     p.data = flat[off : off + n].view_as(p)
                 gs.flat_param = flat
                 state_dtype = _state_dtype(dtype)  # fp32, or fp64 for fp64 parameters
-                gs.master = flat[layout.shard_slice(r)].to(state_dtype, copy=True)  # (S,) fp32
+                shard = flat[layout.shard_slice(r)]  # (S,) view
+                # fp32 parameters: the master shard is the parameters' own shard, not a copy
+                gs.master = shard if dtype == state_dtype else shard.to(state_dtype)  # (S,) fp32
                 gs.momentum = torch.zeros_like(gs.master)  # (S,) fp32
                 gs.flat_grad = torch.zeros_like(flat)  # (N_pad,) compute dtype
+                gs.grad_views = [gs.flat_grad[off : off + n].view_as(p) for p, off, n in
+                                 zip(sparse, layout.offsets, layout.numels)]
+                self._attach_grads(gs, count=False)  # the first backward's gradients are copied in once
                 if self.cfg.compressor != "dense":
-                    gs.error = torch.zeros(layout.padded_numel, dtype=state_dtype, device=device)
+                    ef_dtype = torch.bfloat16 if self.cfg.error_feedback_dtype == "bf16" else state_dtype
+                    gs.error = torch.zeros(layout.padded_numel, dtype=ef_dtype, device=device)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
@@ -187,8 +201,49 @@ class ScapeAdamS(Optimizer):
             self.comm_stats = stats
         return loss
 
+    def _attach_grads(self, gs: _GroupState, count: bool = True) -> None:
+        """Make every sparse parameter's ``.grad`` its view into ``flat_grad`` again. A gradient that is
+        None (zeroed by someone else's ``zero_grad``) is zero; one that was replaced by another tensor
+        is copied in (counted in ``grad_copies``: the staging copy the views exist to avoid)."""
+        for p, view in zip(gs.sparse_params, gs.grad_views):
+            g = p.grad
+            if g is not None and g.data_ptr() == view.data_ptr():
+                continue
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+                self.grad_copies += int(count)
+            p.grad = view
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients. The sparse parameters' ``.grad`` stay views into the flat gradient
+        buffer, which is zeroed in place whatever ``set_to_none`` says (backward then accumulates
+        straight into it); other parameters as ``torch.optim.Optimizer.zero_grad``."""
+        if self._groups is None:
+            return super().zero_grad(set_to_none)
+        flat = set()
+        for gs in self._groups:
+            if gs.flat_grad is not None:
+                gs.flat_grad.zero_()
+                self._attach_grads(gs)
+                flat.update(id(p) for p in gs.sparse_params)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in flat or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False)
+                    p.grad.zero_()
+
     def _exchange_grads(self, gs: _GroupState, dense_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Steps 1-2: returns (this shard's mean gradient at its mask or whole shard, dense grads)."""
+        """Steps 1-2: returns (this shard's reduced gradient at its mask or whole shard, dense grads).
+
+        The sparse part is the mean on sparse steps; on dense steps it is the sum over the D ranks
+        (``gs.grad_divisor`` = D), read in place where it landed, and the update divides.
+        """
         D, r = self.comm.world_size, self.comm.rank
         sparse_g = dense_g = None
         if gs.dense_params:
@@ -197,18 +252,11 @@ class ScapeAdamS(Optimizer):
             dense_g.div_(D)
         if gs.flat_param is None:
             return sparse_g, dense_g
-        layout, kern = gs.layout, self._kernels
-        n = layout.numel
-        torch.cat([_grad_or_zeros(p).reshape(-1) for p in gs.sparse_params], out=gs.flat_grad[:n])
+        kern = self._kernels
+        self._attach_grads(gs)  # normally a no-op: backward accumulated into the views
         if dense_step:
-            if gs.error is not None:
-                # a copy even in fp32: the buffer is zeroed below while `send` is in flight
-                send = gs.error.add_(gs.flat_grad).to(gs.flat_param.dtype, copy=True)  # (N_pad,) wire dtype
-                gs.error.sub_(send.to(gs.error.dtype))  # rounding residual only (zero in fp32)
-            else:
-                send = gs.flat_grad
-            sparse_g = torch.empty(layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
-            self.comm.reduce_scatter(sparse_g, send, "grad_rs")
+            gs.grad_divisor = float(D)
+            return self._reduce_scatter_dense(gs), dense_g
         else:
             gs.pending.wait()
             k = gs.active_index.numel() // D
@@ -216,8 +264,38 @@ class ScapeAdamS(Optimizer):
             kern.ef_accumulate_pack(gs.error, gs.flat_grad, gs.active_index, packed)  # (K,)
             sparse_g = torch.empty(k, dtype=packed.dtype, device=packed.device)  # (k,)
             self.comm.reduce_scatter(sparse_g, packed, "grad_rs")
-        sparse_g = sparse_g.to(gs.master.dtype).div_(D)
+        gs.grad_divisor = 1.0
+        sparse_g = sparse_g.to(gs.master.dtype).div_(D)  # (k,) fp32 mean
         return sparse_g, dense_g
+
+    def _reduce_scatter_dense(self, gs: _GroupState) -> torch.Tensor:
+        """Dense step: reduce-scatter ``a = e + g`` (the whole buffer) and empty the error feedback.
+
+        Returns this shard's sum over ranks, (S,) in the wire (compute) dtype. Where it can, ``a`` is
+        formed in a buffer that exists anyway and the result lands in this rank's shard of the
+        gradient buffer (consumed by then), so the usual case allocates nothing of size N.
+        """
+        r, wire = self.comm.rank, gs.flat_param.dtype
+        shard = gs.flat_grad[gs.layout.shard_slice(r)]  # (S,) view
+        error = gs.error
+        if error is None:  # compressor "dense": the gradient as it is
+            send, out = gs.flat_grad, torch.empty_like(shard)  # (S,)
+        elif error.dtype == wire:  # a = e + g in the error buffer, sent from there, then emptied
+            error.add_(gs.flat_grad)
+            send, out = error, shard
+        elif error.itemsize < gs.flat_grad.itemsize:  # bf16 error, fp32 wire: a formed in fp32 in the gradient buffer
+            gs.flat_grad.add_(error)
+            error.zero_()
+            send, out = gs.flat_grad, torch.empty_like(shard)  # (S,)
+        else:  # fp32 error, bf16 wire: a rounded to the wire dtype; the rounding residual stays
+            error.add_(gs.flat_grad)
+            send = error.to(wire)  # (N_pad,) the one N-sized buffer of this case
+            error.sub_(send)
+            out = shard
+        self.comm.reduce_scatter(out, send, "grad_rs")
+        if send is error:
+            error.zero_()  # everything was sent
+        return out
 
     def _clip_coefficient(self, reduced) -> float:
         """Global-norm clipping factor over every shard's reduced gradient (one scalar all-reduce)."""
@@ -228,7 +306,9 @@ class ScapeAdamS(Optimizer):
         replicated = 0.0
         for gs, (sparse_g, dense_g) in zip(self._groups, reduced):
             if sparse_g is not None and not gs.norm_skip:
-                sharded += sparse_g.double().square().sum().to(sharded.device)
+                # a reduction, no copy of the shard; a dense step's sum over ranks is divided here
+                norm = torch.linalg.vector_norm(sparse_g, dtype=torch.float64) / gs.grad_divisor
+                sharded += norm.square().to(sharded.device)
             if dense_g is not None:
                 sizes = [p.numel() for p in gs.dense_params]
                 for p, g in zip(gs.dense_params, torch.split(dense_g, sizes)):
@@ -258,18 +338,22 @@ class ScapeAdamS(Optimizer):
             adams(gs.dense_params, grads, gs.dense_momenta, step=t, bias_correction=group["bias_correction"], **hyper)
         if sparse_g is None:
             return
-        if scale != 1.0:
-            sparse_g.mul_(scale)
+        c = 1.0 - beta1**t if group["bias_correction"] else 1.0
         if dense_step:
             # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
             gs.decay_debt = settle_decay(gs.master, gs.decay_debt, gs.active_local)
-            adams([gs.master], [sparse_g], [gs.momentum], step=t, bias_correction=group["bias_correction"], **hyper)
-            new = gs.master.to(gs.flat_param.dtype)  # (S,) compute dtype
-            self.comm.all_gather(gs.flat_param, new, "param_ag")
+            shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
+            out = None if gs.master.data_ptr() == shard.data_ptr() else shard  # bf16: round into the parameters
+            # one fused in-place pass; the 1/D of the mean and the clipping factor folded in
+            self._kernels.dense_adams_update(gs.master, gs.momentum, sparse_g, out, grad_scale=scale / gs.grad_divisor,
+                                             bias_correction=c, **hyper)
+            # every rank's new shard, gathered in place: this rank's is already where it belongs
+            self.comm.all_gather(gs.flat_param, shard, "param_ag")
         else:
+            if scale != 1.0:
+                sparse_g.mul_(scale)
             K = gs.active_index.numel()
             k = K // D
-            c = 1.0 - beta1**t if group["bias_correction"] else 1.0
             new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
             self._kernels.masked_adams_update(gs.master, gs.momentum, gs.active_local, sparse_g, new, bias_correction=c,
                                               **hyper)
@@ -321,6 +405,27 @@ class ScapeAdamS(Optimizer):
         """Wait for every mask all-gather still in flight; call before destroying the process group."""
         for gs in self._groups or []:
             gs.pending.wait()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by buffer, summed over param groups (``scape_ds.optim.memory`` has the
+        formulas): ``params`` and ``grads`` (the flat buffers and the dense-exchanged tensors),
+        ``master`` (0 when it is a view of the fp32 parameters), ``momentum``, ``error_feedback``,
+        ``masks``. Transient buffers of a step are not counted."""
+        self._lazy_init()
+        total = dict(params=0, grads=0, master=0, momentum=0, error_feedback=0, masks=0)
+
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        for gs in self._groups:
+            total["params"] += nbytes(gs.flat_param) + sum(nbytes(p) for p in gs.dense_params)
+            total["grads"] += nbytes(gs.flat_grad) + sum(nbytes(p.grad) for p in gs.dense_params)
+            if gs.master is not None and gs.master.data_ptr() != gs.flat_param[gs.layout.shard_slice(self.comm.rank)].data_ptr():
+                total["master"] += nbytes(gs.master)
+            total["momentum"] += nbytes(gs.momentum) + sum(nbytes(m) for m in gs.dense_momenta)
+            total["error_feedback"] += nbytes(gs.error)
+            total["masks"] += nbytes(gs.active_offsets) + nbytes(gs.active_index) + nbytes(gs.active_local)
+        return total
 
     def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
         """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use."""

@@ -28,6 +28,7 @@ def test_defaults_and_derived_values():
         ({"comm_backend": "nccl"}, "scape.comm_backend", "'torch' or 'mpi'"),
         ({"kernels": "cuda"}, "scape.kernels", "'auto', 'triton' or 'torch'"),
         ({"param_exchange": "sparse"}, "scape.param_exchange", "'dense' or 'sparse_replica'"),
+        ({"error_feedback_dtype": "fp16"}, "scape.error_feedback_dtype", "'fp32' or 'bf16'"),
         ({"sparsity": "lots"}, "scape.sparsity", "valid number"),
         ({"sparsityy": 0.9}, "scape.sparsityy", "unknown field; allowed fields: compressor, sparsity"),
     ],

@@ -96,6 +96,43 @@ def test_offsets_to_index_and_exploration():
     assert torch.all(idx[:, 1:] > idx[:, :-1])
 
 
+def test_dense_adams_update_equals_adams_bitwise():
+    from scape_ds.optim.adams import adams
+
+    S = tk.BLOCK_NUMEL + 1000  # more than one block, and a partial one
+    p, m, g = (torch.randn(S, generator=_gen(i)) for i in (20, 21, 22))
+    p1, m1 = p.clone(), m.clone()
+    tk.dense_adams_update(p1, m1, g, grad_scale=1.0, **HYPER)
+    p2, m2 = p.clone(), m.clone()
+    adams([p2], [g], [m2], step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True)
+    assert torch.equal(p1, p2) and torch.equal(m1, m2)
+    # grad_scale folds the mean's 1/D and the clipping factor; out gets the new values rounded
+    p3, m3, out = p.clone(), m.clone(), torch.empty(S, dtype=torch.bfloat16)
+    tk.dense_adams_update(p3, m3, (4 * g).bfloat16(), out, grad_scale=0.25, **HYPER)
+    p4, m4 = p.clone(), m.clone()
+    adams([p4], [(4 * g).bfloat16().float() * 0.25], [m4], step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+          weight_decay=0.1, bias_correction=True)
+    assert torch.equal(p3, p4) and torch.equal(m3, m4) and torch.equal(out, p3.bfloat16())
+
+
+def test_chunk_topk_in_blocks_equals_one_topk():
+    C, kc = 64, 5
+    n_chunks = 2 * (tk.BLOCK_NUMEL // C) + 7  # two full blocks of chunks and a partial one
+    scores = torch.randn(n_chunks * C, generator=_gen(23))
+    want = scores.abs().view(-1, C).topk(kc, dim=1, sorted=False).indices.sort(dim=1).values.reshape(-1)
+    assert torch.equal(tk.chunk_topk(scores, C, kc).long(), want)
+    assert torch.equal(tk.chunk_topk(scores[: 3 * C], C, C).long(), torch.arange(C).repeat(3))
+
+
+def test_chunk_topk_largest_chunk_reads_offsets_as_uint16():
+    C, kc = 65536, 655
+    scores = torch.randn(2 * C, generator=_gen(24))
+    off = tk.chunk_topk(scores, C, kc)
+    idx = offsets_to_index(off, C, kc)
+    want = torch.cat([scores[c * C:(c + 1) * C].abs().topk(kc).indices.sort().values + c * C for c in range(2)])
+    assert torch.equal(idx, want) and int(idx.max()) >= 32768  # offsets above int16's range survive
+
+
 def test_dispatch():
     assert get_kernels("cpu", "auto") is tk
     assert get_kernels("cpu", "torch") is tk
@@ -163,3 +200,65 @@ def test_triton_mask_encode_decode(C, kc, n_chunks):
     enc = triton_kernels.encode_mask(off, C, kc)
     assert torch.equal(enc, tk.encode_mask(off, C, kc))
     assert torch.equal(triton_kernels.decode_mask(enc, C, kc), off)
+
+
+def test_triton_chunk_topk_radix_bytes_equals_bitwise_with_ties_and_nan():
+    # values from a small set (many ties at the threshold), zeros, inf and NaN
+    C = 256
+    base = torch.randint(0, 6, (4 * C,), generator=_gen(25)).float() * 0.5
+    base[::37] = float("nan")
+    base[5] = float("inf")
+    base[C : 2 * C] = 0.0  # a chunk of equal keys: the lowest offsets are kept
+    for kc in (1, 3, 40, 200, 256):
+        got = triton_kernels.chunk_topk(base, C, kc)
+        assert torch.equal(got, triton_kernels.chunk_topk_bitwise(base, C, kc)), kc
+        assert torch.equal(got[kc : 2 * kc].long(), torch.arange(kc)), kc
+
+
+def test_triton_chunk_topk_above_max_chunk_uses_torch_with_one_warning():
+    import warnings
+
+    C, kc = 2 * triton_kernels.MAX_TRITON_CHUNK, 10
+    scores = torch.randn(2 * C, generator=_gen(26))
+    triton_kernels._WARNED_BIG_CHUNK = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = triton_kernels.chunk_topk(scores, C, kc)
+        triton_kernels.chunk_topk(scores, C, kc)
+    assert torch.equal(got, tk.chunk_topk(scores, C, kc))
+    assert len([w for w in caught if "chunk_size" in str(w.message)]) == 1
+    kc = C // 4  # a bitmask mask of a chunk this large decodes in torch too
+    off = random_offsets(2, C, kc, _gen(27))
+    enc = triton_kernels.encode_mask(off, C, kc)
+    assert torch.equal(enc, tk.encode_mask(off, C, kc)) and torch.equal(triton_kernels.decode_mask(enc, C, kc), off)
+
+
+@pytest.mark.parametrize("S,grad_dtype,out_dtype,scale", [(3000, torch.float32, None, 1.0),
+                                                          (1025, torch.bfloat16, torch.bfloat16, 0.5),
+                                                          (8, torch.float32, torch.float32, 0.25)])
+def test_triton_dense_adams_update(S, grad_dtype, out_dtype, scale):
+    p, m = torch.randn(S, generator=_gen(28)), torch.randn(S, generator=_gen(29))
+    g = torch.randn(S, generator=_gen(30)).to(grad_dtype)
+    res = []
+    for kern in (tk, triton_kernels):
+        pp, mm = p.clone(), m.clone()
+        out = None if out_dtype is None else torch.empty(S, dtype=out_dtype)
+        kern.dense_adams_update(pp, mm, g, out, grad_scale=scale, **HYPER)
+        res.append((pp, mm, out))
+    for a, b in zip(res[0][:2], res[1][:2]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    if out_dtype is not None:
+        assert torch.equal(res[1][2], res[1][0].to(out_dtype))  # rounded to nearest-even, as torch
+
+
+def test_triton_ef_accumulate_pack_bf16_error_buffer():
+    n, k = 1000, 37
+    error, grad = torch.randn(n, generator=_gen(31)).bfloat16(), torch.randn(n, generator=_gen(32))
+    index = _random_index(n, k)
+    outs = []
+    for kern in (tk, triton_kernels):
+        e, out = error.clone(), torch.empty(k)
+        kern.ef_accumulate_pack(e, grad, index, out)
+        outs.append((e, out))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.count_nonzero(outs[0][0][index]) == 0  # fp32 wire: a bf16 value is sent exactly
