@@ -154,7 +154,8 @@ def resolve_opts(**opts) -> dict:
     for key in ("steps", "seed", "n_layer", "n_embd", "ranks", "micro_batch", "eval_interval", "eval_iters",
                 "seq_len", "n_head", "diag_window"):
         if not isinstance(opts[key], int) or opts[key] < (0 if key == "seed" else 1):
-            raise ValueError(f"--{key.replace('_', '-')} must be an int >= {0 if key == 'seed' else 1}, got {opts[key]!r}")
+            low = 0 if key == "seed" else 1
+            raise ValueError(f"--{key.replace('_', '-')} must be an int >= {low}, got {opts[key]!r}")
     if opts["n_embd"] % opts["n_head"]:
         raise ValueError(f"--n-embd {opts['n_embd']} must be divisible by the {opts['n_head']} heads")
     if opts["lr"] is not None and not opts["lr"] > 0:
@@ -292,7 +293,8 @@ class Diagnostics:
             self.disabled = True
             return
         if p.numel() != self.p0.numel():
-            raise RuntimeError(f"diagnostics: the model has {p.numel()} parameters, the rebuilt start {self.p0.numel()}")
+            raise RuntimeError(f"diagnostics: the model has {p.numel()} parameters, "
+                               f"the rebuilt start {self.p0.numel()}")
         moved = p != self.prev  # (N,) bool
         self.changed = moved if self.changed is None else self.changed | moved
         self.step_frac_sum += float(moved.float().mean())
@@ -464,7 +466,8 @@ def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnos
 
 def _worker(rank, world, port, names, opts, out_dir, stop_at):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     import torch
     import torch.distributed as dist
 
@@ -620,7 +623,8 @@ def write_tables(results: dict[str, dict], bench_dir: str) -> dict[str, dict]:
         curves[rid] = [(int(s), float(v)) for s, v in res["curve"]]
     add_displacement_ratios(rows)
     order = {n: i for i, n in enumerate(RUNS)}
-    ids = sorted(rows, key=lambda r: (r.split("__")[1] if "__" in r else "", order.get(r.split("__")[0], len(order)), r))
+    ids = sorted(rows, key=lambda r: (r.split("__")[1] if "__" in r else "", order.get(r.split("__")[0], len(order)),
+                                      r))
     os.makedirs(bench_dir, exist_ok=True)
     with open(os.path.join(bench_dir, SUMMARY_CSV) + ".tmp", "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
@@ -722,9 +726,11 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="all",
-                    help="comma-separated run names or groups: " + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
+                    help="comma-separated run names or groups: "
+                         + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "quality"), help="raw output (git-ignored)")
     ap.add_argument("--bench-dir", default=os.path.join(REPO, "bench"),
                     help=f"where {SUMMARY_CSV}, {CURVES_CSV} and {PLOT_PNG} are merged and drawn")
@@ -738,7 +744,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"])
     ap.add_argument("--ckpt-interval", type=int, default=DEFAULTS["ckpt_interval"],
                     help="checkpoint every N steps under --out, to resume an interrupted run (0: never)")
-    ap.add_argument("--stop-at", type=int, default=None, help="stop every run at this step (checkpointed; rerun resumes)")
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="stop every run at this step (checkpointed; rerun resumes)")
     ap.add_argument("--force", action="store_true", help="rerun runs that already have results (from scratch)")
     ap.add_argument("--plot-only", action="store_true", help="table and plot from --bench-dir's CSVs")
     ap.add_argument("--import-legacy", metavar="DIR", help="add the runs of an old-layout results dir to the CSVs")

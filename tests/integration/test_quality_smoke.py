@@ -64,7 +64,8 @@ def test_quality_run_resumes_from_its_checkpoint_with_the_same_losses(tmp_path):
     for rid, a in straight.items():
         b = resumed[rid]
         assert b["losses"] == a["losses"], rid
-        assert b["val_loss"] == a["val_loss"] and (b["bytes_sent"], b["bytes_dense"]) == (a["bytes_sent"], a["bytes_dense"])
+        assert b["val_loss"] == a["val_loss"]
+        assert (b["bytes_sent"], b["bytes_dense"]) == (a["bytes_sent"], a["bytes_dense"])
         assert b["diag_windows"] == a["diag_windows"], rid
         assert [c for c in b["curve"] if c[0] % 10 == 0] == a["curve"]  # the stop adds a validation at step 13
     assert not os.path.exists(tmp_path / "resumed" / "scape99_T10__L1_E32_steps20.ckpt"), "kept after finishing"

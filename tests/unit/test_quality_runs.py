@@ -200,7 +200,8 @@ def test_tracked_tables_cover_the_bundled_runs():
     for rid, r in rows.items():
         assert r["command"].startswith("python bench/quality.py"), rid
         assert curves.get(rid), rid
-        assert int(r["steps"]) == curves[rid][-1][0] and float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=1e-6)
+        assert int(r["steps"]) == curves[rid][-1][0]
+        assert float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=1e-6)
 
 
 def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
