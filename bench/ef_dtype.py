@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
 
 
 def conservation(ef: str, steps: int = 100) -> float:

@@ -33,8 +33,6 @@ import torch
 import torch.distributed as dist
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:  # run from a checkout
-    sys.path.insert(0, _REPO)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
