@@ -45,7 +45,8 @@ def wants_scape(config: Any, args: Any = None) -> bool:
         cfg = read_ds_config(config, args)
     except (ValueError, OSError):
         return False
-    opt_type = (cfg.get("optimizer") or {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
+    opt_block = cfg.get("optimizer")
+    opt_type = opt_block.get("type") if isinstance(opt_block, dict) else None
     return "scape" in cfg or opt_type in SCAPE_OPTIMIZERS
 
 
