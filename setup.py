@@ -9,13 +9,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["scape_ds", "scape_ds.*"]),
+    # Ranges, so that installing next to a CUDA torch keeps it; `make install` pins the versions this
+    # repository is tested with through constraints.txt (pip install -c constraints.txt -e .).
     install_requires=[
-        # 2.13.0 is the CPU build that this machine holds on local disk; an unpinned torch pulls CUDA.
-        "torch==2.13.0",
+        "torch>=2.6",  # megatron-core 0.16 needs 2.6
         "deepspeed>=0.19.8,<0.20",
         # 0.16.x is the newest line that installs on Python 3.11; 0.17+ needs 3.12.
         "megatron-core>=0.16.1,<0.17",
-        "triton==3.8.0",
+        "triton>=3.2",  # what torch 2.6 pins; a CUDA torch brings its own, kept as it is
         "pydantic>=2.6,<3",
         "tqdm>=4.60",
         "numpy>=1.24",
@@ -24,6 +25,8 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py>=4.0,<5", "mpich>=4.1"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7"],
+        # transformers and accelerate: examples/hf_*.py and tests/integration/test_examples.py
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7", "transformers>=5.25,<6",
+                 "accelerate>=1.16,<2"],
     },
 )

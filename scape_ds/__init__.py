@@ -3,11 +3,14 @@
 ``scape_ds.initialize`` is ``deepspeed.initialize`` with the SCAPE optimizer (DESIGN.md); the
 pieces are importable on their own: ``scape_ds.optim`` (AdamS, ScapeAdamS), ``scape_ds.comm``
 (exchange backends and the byte meter), ``scape_ds.kernels``, ``scape_ds.config``.
+``scape_ds.enable()`` routes frameworks that call ``deepspeed.initialize`` themselves (Hugging Face
+Trainer, Lightning) through it (``scape_ds.integrations``).
 """
 from .config import ScapeConfig, parse_scape_config
+from .integrations import disable, enable, is_enabled
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "ScapeConfig", "parse_scape_config", "__version__"]
+__all__ = ["initialize", "enable", "disable", "is_enabled", "ScapeConfig", "parse_scape_config", "__version__"]
 
 
 def initialize(*args, **kwargs):

@@ -30,7 +30,8 @@ from .config import parse_scape_config, zero_stage
 from .exchange.refused import refusal_message, refused_settings
 from .optim import AdamS, ScapeAdamS
 
-__all__ = ["initialize", "read_ds_config", "scape_optimizer", "is_scape_stage3", "SCAPE_OPTIMIZERS"]
+__all__ = ["initialize", "read_ds_config", "auto_keys", "scape_optimizer", "is_scape_optimizer", "is_scape_stage3",
+           "SCAPE_OPTIMIZERS"]
 
 SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
 _ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -57,6 +58,14 @@ def read_ds_config(config: str | dict | None = None, args: Any = None) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {config} is not valid JSON: {e}") from None
+
+
+def auto_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the values that are still ``"auto"`` (Hugging Face's placeholders, which the
+    Trainer and accelerate replace with numbers before they call ``deepspeed.initialize``)."""
+    if isinstance(cfg, dict):
+        return [k for key, v in cfg.items() for k in auto_keys(v, f"{prefix}{key}.")]
+    return [prefix[:-1]] if cfg == "auto" else []
 
 
 def _optimizer_kwargs(params: dict, name: str) -> dict:
@@ -114,6 +123,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                     dist_init_required=dist_init_required, collate_fn=collate_fn, config=cfg, **kwargs)
+    unfilled = auto_keys(cfg)
+    if unfilled:
+        raise ValueError(f"config values still \"auto\": {', '.join(unfilled)}; the Hugging Face Trainer and "
+                         "accelerate fill them in (with scape_ds.enable()), elsewhere give numbers")
     opt_kwargs = _optimizer_kwargs(opt_block.get("params", {}) or {}, opt_type)
     ds_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer", "scape")}
     use_scape = opt_type == "ScapeAdamS"
@@ -227,7 +240,12 @@ def scape_optimizer(engine):
     Both have ``cfg``, ``comm``, ``comm_stats`` (``bytes_sent``, ``bytes_dense`` per step) and ``synchronize()``.
     """
     opt = getattr(engine, "optimizer", None)
-    return opt if isinstance(opt, ScapeAdamS) or is_scape_stage3(opt) else None
+    return opt if is_scape_optimizer(opt) else None
+
+
+def is_scape_optimizer(opt) -> bool:
+    """Whether ``opt`` is a SCAPE optimizer (:class:`ScapeAdamS` or the ZeRO-3 ``ScapeStage3``)."""
+    return isinstance(opt, ScapeAdamS) or is_scape_stage3(opt)
 
 
 def is_scape_stage3(opt) -> bool:

@@ -1,7 +1,7 @@
 """Run DeepSpeed's own ZeRO-3 unit tests with the SCAPE stage 3 installed (sparsity 0).
 
     git clone --branch v0.19.8 --depth 1 https://github.com/deepspeedai/DeepSpeed /path/to/DeepSpeed   # once, beforehand
-    .venv/bin/python tests/deepspeed_upstream/run_upstream.py /path/to/DeepSpeed [--baseline] [-- pytest args]
+    .venv/bin/python tests/deepspeed_upstream/run_upstream.py /path/to/DeepSpeed [--baseline] [-- PYTEST_ARGS ...]
 
 Nothing is fetched here: it runs the tests of an upstream checkout you give it, from its ``tests``
 directory (its pytest.ini and conftest.py), on this machine's CPU ranks. ``sitecustomize.py``
@@ -62,18 +62,27 @@ def run(src: str, with_scape: bool, pytest_args: list[str]) -> tuple[int, dict, 
     return proc.returncode, counts, failed, built
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``DEEPSPEED_SRC [--baseline] [-- PYTEST_ARGS...]``: everything after ``--`` goes to pytest
+    unread (argparse alone cannot take a positional list after an option, nor pytest's own options)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 usage="%(prog)s DEEPSPEED_SRC [--baseline] [-- PYTEST_ARGS ...]",
+                                 epilog="PYTEST_ARGS: test ids or pytest options instead of the default selection")
     ap.add_argument("deepspeed_src", help="an upstream DeepSpeed checkout (with tests/unit)")
     ap.add_argument("--baseline", action="store_true", help="also run the selection without SCAPE")
-    ap.add_argument("pytest_args", nargs="*", help="test ids or pytest options instead of the default selection")
-    args = ap.parse_args()
-    import deepspeed
+    own, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = ap.parse_args(own)
+    args.pytest_args = pytest_args
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if not os.path.isdir(os.path.join(args.deepspeed_src, "tests", "unit")):
         print(f"run_upstream.py: error: {args.deepspeed_src} has no tests/unit (give an upstream DeepSpeed checkout)",
               file=sys.stderr)
         return 2
+    import deepspeed
     try:
         with open(os.path.join(args.deepspeed_src, "version.txt")) as f:
             src_version = f.read().strip()

@@ -156,3 +156,28 @@ def test_pipeline_with_zero3_is_one_line_error(tmp_path):
     bad.write_text(json.dumps(cfg))
     proc = _run_single(["--deepspeed_config", str(bad), "--pipeline-model-parallel-size", "2"], WORLD_SIZE="4")
     _one_line_error(proc, "ZeRO stage 0 or 1 only", "stage 3")
+
+
+@pytest.mark.timeout(900)
+def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
+    """A truncated rank file: every rank stops with one line naming it, exit 2, no traceback, no hang."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--deepspeed_config", "ds_configs/scape.json", "--eval-interval", "2", "--eval-iters", "1",
+              "--log-interval", "1", "--no-progress", "--dist-timeout", "60"]
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29751", "launch/pretrain.py",
+           *common, "--train-iters", "2", "--save", str(ckpt)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    victim = ckpt / "global_step2" / "scape_dp_rank_00001.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29752", "launch/pretrain.py",
+           *common, "--train-iters", "4", "--load", str(ckpt)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.py: error:")]
+    assert errors, out[-3000:]
+    # each rank prints the same line (the launcher may stop the second before it does)
+    assert all(str(victim) in line and "corrupt or truncated" in line for line in errors), errors
+    assert "Traceback" not in out and "resumed from" not in out, out[-3000:]

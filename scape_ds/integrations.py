@@ -1,0 +1,123 @@
+"""SCAPE for frameworks that call ``deepspeed.initialize`` themselves (Hugging Face Trainer through
+accelerate, Lightning's ``DeepSpeedStrategy``): ``scape_ds.enable()`` / ``scape_ds.disable()``.
+
+    import scape_ds
+    scape_ds.enable()          # before the Trainer / strategy builds its engine
+    trainer = Trainer(model, TrainingArguments(..., deepspeed="ds_configs/hf_scape.json"), ...)
+
+Steps of :func:`enable`:
+  1. remember DeepSpeed's own ``deepspeed.initialize``;
+  2. put :func:`routed_initialize` in its place, in the ``deepspeed`` module (accelerate and
+     Lightning look it up there at call time) and in every already imported module that holds the
+     original under some name (``from deepspeed import initialize`` done before ``enable()``);
+  3. :func:`routed_initialize` reads the config it is given; a config with a ``"scape"`` block or
+     ``optimizer.type`` ``"ScapeAdamS"``/``"AdamS"`` goes to :func:`scape_ds.initialize`, anything
+     else to DeepSpeed unchanged. ``scape_ds.initialize`` calls ``deepspeed.initialize`` itself:
+     calls made while a routed call is running go straight to DeepSpeed (a per-thread depth count).
+
+Without ``enable()`` DeepSpeed meets a SCAPE config on its own: ``"type": "ScapeAdamS"`` stops in
+its optimizer check with ``AssertionError: ScapeAdamS is not a supported DeepSpeed Optimizer``
+(that message means: call ``scape_ds.enable()`` first). DeepSpeed has no hook that would let us
+change that message without replacing its code at import time, which we do not do.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from typing import Any
+
+__all__ = ["enable", "disable", "is_enabled", "routed_initialize", "wants_scape"]
+
+_lock = threading.Lock()
+_state = threading.local()  # .depth: routed calls running on this thread
+_original = None  # DeepSpeed's initialize while enabled, else None
+_replaced: list[tuple[Any, str]] = []  # (module, attribute name) that hold routed_initialize
+
+
+def wants_scape(config: Any, args: Any = None) -> bool:
+    """Whether a DeepSpeed config (dict, JSON path or ``args.deepspeed_config``) asks for SCAPE:
+    a ``"scape"`` block or ``optimizer.type`` ``"ScapeAdamS"``/``"AdamS"``. False for configs that
+    cannot be read (DeepSpeed then reports them itself)."""
+    from .engine import SCAPE_OPTIMIZERS, read_ds_config
+
+    try:
+        cfg = read_ds_config(config, args)
+    except (ValueError, OSError):
+        return False
+    opt_block = cfg.get("optimizer")
+    opt_type = opt_block.get("type") if isinstance(opt_block, dict) else None
+    return "scape" in cfg or opt_type in SCAPE_OPTIMIZERS
+
+
+def _bind(original, args: tuple, kwargs: dict) -> dict:
+    """``deepspeed.initialize``'s arguments as keywords (its positional order differs from
+    ``scape_ds.initialize``'s: ``distributed_port`` comes before ``mpu``)."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def routed_initialize(*args, **kwargs):
+    """``deepspeed.initialize`` while :func:`enable` is on: SCAPE configs go to ``scape_ds.initialize``."""
+    original = _original
+    if original is None:  # disable() ran while a caller still held this function
+        import deepspeed
+
+        original = deepspeed.initialize
+    depth = getattr(_state, "depth", 0)
+    if depth > 0:  # scape_ds.initialize calling DeepSpeed
+        return original(*args, **kwargs)
+    call = _bind(original, args, kwargs)
+    config = call.get("config") if call.get("config") is not None else call.get("config_params")
+    if not wants_scape(config, call.get("args")):
+        return original(*args, **kwargs)
+    from .engine import initialize
+
+    _state.depth = depth + 1
+    try:
+        return initialize(**call)
+    finally:
+        _state.depth = depth
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _original is not None
+
+
+def enable() -> None:
+    """Route ``deepspeed.initialize`` calls whose config asks for SCAPE through ``scape_ds.initialize``.
+
+    Idempotent. Also replaces DeepSpeed's function in modules that imported it by name before.
+    """
+    global _original
+    import deepspeed
+
+    with _lock:
+        if _original is not None:
+            return
+        original = deepspeed.initialize
+        for module in list(sys.modules.values()):
+            # a module's own namespace only; modules without a __dict__ (rare C stubs) are skipped
+            namespace = getattr(module, "__dict__", None)
+            if module is sys.modules[__name__] or not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                if value is original:
+                    setattr(module, name, routed_initialize)
+                    _replaced.append((module, name))
+        _original = original
+
+
+def disable() -> None:
+    """Undo :func:`enable`: every replaced name holds DeepSpeed's ``initialize`` again. Idempotent."""
+    global _original
+    with _lock:
+        if _original is None:
+            return
+        for module, name in _replaced:
+            if getattr(module, name, None) is routed_initialize:
+                setattr(module, name, _original)
+        _replaced.clear()
+        _original = None
+
