@@ -39,7 +39,7 @@ def _enabled(block: str) -> Callable[[dict], bool]:
     return lambda cfg: bool((cfg.get(block) or {}).get("enabled", False))
 
 
-_STATE = "SCAPE's optimizer state lives with its exchange: remove it"
+_STATE = "SCAPE keeps its optimizer state with its exchange, on the device: remove it"
 _REDUCE = "SCAPE would otherwise run dense or reduce the wrong values: remove it"
 
 _REFUSED = (
@@ -47,8 +47,8 @@ _REFUSED = (
                    lambda c: offload_enabled(_zero(c).get("offload_optimizer")), _STATE),
     RefusedSetting((0, 1, 3), "zero_optimization.offload_param",
                    lambda c: offload_enabled(_zero(c).get("offload_param")), _STATE),
-    RefusedSetting((0, 1, 3), "fp16", _enabled("fp16"),
-                   "dynamic loss scaling with error feedback, not yet: use fp32, or bf16 under ZeRO stage 3"),
+    RefusedSetting((0, 1, 3), "fp16", _enabled("fp16"), "dynamic loss scaling is not combined with error "
+                   "feedback yet: use fp32, or bf16 under ZeRO stage 3"),
     RefusedSetting((0, 1), "bf16", lambda c: _enabled("bf16")(c) or _enabled("bfloat16")(c),
                    "not on the stage 0/1 path yet: use fp32, or ZeRO stage 3"),
     RefusedSetting((0, 1, 3), "torch_autocast", _enabled("torch_autocast"),
