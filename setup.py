@@ -24,6 +24,6 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py>=4.0,<5", "mpich>=4.1"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7", "ruff>=0.5"],
     },
 )

@@ -42,7 +42,8 @@ def _worker(rank, world, store_dir, args, out_path):
         train, _ = build_datasets()
         runs = {}
         for name, scape in (("dense", dict(compressor="dense")),
-                            ("scape", dict(compressor="scape", sparsity=args.sparsity, mask_refresh_interval=args.interval))):
+                            ("scape", dict(compressor="scape", sparsity=args.sparsity,
+                                           mask_refresh_interval=args.interval))):
             torch.manual_seed(0)
             model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
             runs[name] = (model, ScapeAdamS(model.parameters(), lr=1e-3, scape=scape))

@@ -134,7 +134,8 @@ def _load_pretrain():
 
 def _worker(rank, world, port, names, opts, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     import torch
     import torch.distributed as dist
 
@@ -148,7 +149,8 @@ def _worker(rank, world, port, names, opts, out_dir):
                 with open(cfg_path, "w", encoding="utf-8") as f:
                     json.dump(make_config(name, opts["train_iters"], opts["micro_batch"], opts["warmup"]), f, indent=2)
             dist.barrier()
-            argv = ["--deepspeed_config", cfg_path, "--train-iters", str(opts["train_iters"]), "--seed", str(opts["seed"]),
+            argv = ["--deepspeed_config", cfg_path, "--train-iters", str(opts["train_iters"]),
+                    "--seed", str(opts["seed"]),
                     "--eval-interval", str(opts["eval_interval"]), "--eval-iters", str(opts["eval_iters"]),
                     "--log-interval", str(opts["log_interval"]), "--seq-len", str(opts["seq_len"]),
                     "--n-layer", str(opts["n_layer"]), "--n-head", str(opts["n_head"]), "--n-embd", str(opts["n_embd"]),
@@ -267,9 +269,11 @@ def plot(results: dict[str, dict], path: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="all",
-                    help="comma-separated run names or groups: " + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
+                    help="comma-separated run names or groups: "
+                    + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "quality_results"))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--train-iters", type=int, default=1500)

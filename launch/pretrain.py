@@ -39,7 +39,8 @@ _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config (ds_configs/*.json)")
     p.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed compatibility")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -142,9 +143,8 @@ def evaluate(engine, val, args, micro_bs, dp_rank, dp_size, device, dp_group=Non
     import torch
     import torch.distributed as dist
 
-    from scape_ds.data import get_batch
-
     from scape_ds.comm import collective_device
+    from scape_ds.data import get_batch
 
     engine.eval()
     total = torch.zeros(1, dtype=torch.float64, device=collective_device(dp_group))  # NCCL: a CUDA tensor
@@ -183,7 +183,8 @@ def build_engine(args, cfg: dict, device):
     from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
 
     mpu = init_model_parallel(tp, pp, zero_stage(cfg))
-    dp_rank, dp_size, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group()
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    dp_group = mpu.get_data_parallel_group()
     if pp > 1:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -237,10 +238,13 @@ def train(args, cfg: dict) -> dict:
             kind += " under ZeRO-3 (bytes: gradient reduce-scatter + masks vs ZeRO-3's dense reduce-scatter)"
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         layout = f"TP{tp} x PP{pp} x DP{dp_size} ({'megatron-core' if uses_megatron(args) else 'GPT'})"
-        print(f"GPT {n_params/1e6:.2f}M params on rank 0 | {world} ranks: {layout} | {kind} | {tokens_per_step} tokens/step | "
+        print(f"GPT {n_params/1e6:.2f}M params on rank 0 | {world} ranks: {layout} | {kind} | "
+              f"{tokens_per_step} tokens/step | "
               f"corpus {train_data.numel()/1e6:.1f}M train / {val_data.numel()/1e6:.2f}M val bytes, "
               f"unigram entropy {unigram_entropy(train_data):.3f} nats", flush=True)
-    metrics_f = open(args.metrics_out, "a" if args.load else "w", encoding="utf-8") if is_main and args.metrics_out else None
+    metrics_f = None
+    if is_main and args.metrics_out:
+        metrics_f = open(args.metrics_out, "a" if args.load else "w", encoding="utf-8")
     writer = None
     if is_main and args.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
@@ -286,7 +290,8 @@ def train(args, cfg: dict) -> dict:
             metrics_f.write(json.dumps(record) + "\n")
             metrics_f.flush()
         if writer:
-            for key in ("loss", "lr", "step_time_s", "bytes_sent", "tokens_per_s") + (("val_loss",) if "val_loss" in record else ()):
+            keys = ("loss", "lr", "step_time_s", "bytes_sent", "tokens_per_s")
+            for key in keys + (("val_loss",) if "val_loss" in record else ()):
                 writer.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", record[key], step + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.3f}", sent=f"{sent / max(dense, 1):.1%}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 __all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
 
@@ -99,7 +99,8 @@ class ScapeConfig(BaseModel):
     def _check_combination(self) -> "ScapeConfig":
         if self.compressor == "topk" and not self.dense_refresh:
             raise ValueError(
-                "compressor='topk' selects from the reduced gradient of a dense refresh step: it needs dense_refresh=true"
+                "compressor='topk' selects from the reduced gradient of a dense refresh step: "
+                "it needs dense_refresh=true"
             )
         return self
 

@@ -79,7 +79,8 @@ def _check_path_a(cfg: dict) -> int:
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     for key in ("offload_optimizer", "offload_param"):
         if offload_enabled(zero.get(key)):
-            raise ValueError(f"zero_optimization.{key} is not supported with ScapeAdamS (its state lives with the exchange)")
+            raise ValueError(f"zero_optimization.{key} is not supported with ScapeAdamS "
+                             "(its state lives with the exchange)")
     if (cfg.get("fp16") or {}).get("enabled", False):
         raise ValueError("fp16 with loss scaling is not supported with ScapeAdamS yet: use fp32 (bf16 is planned)")
     if (cfg.get("bf16") or {}).get("enabled", False) or (cfg.get("bfloat16") or {}).get("enabled", False):
@@ -134,7 +135,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         scape_cfg = parse_scape_config(cfg.get("scape"))
         check_stage3_config(cfg)
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
-            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' "
+                             "in this version")
         if scape_cfg.param_exchange == "sparse_replica":
             ds_cfg["zero_optimization"] = replica_zero_config(ds_cfg["zero_optimization"])
         stage3_cls = scape_stage3_class(scape_cfg)
@@ -159,7 +161,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             group = grid.get_data_parallel_group() if grid is not None else None
             norm_group = None
             if grid is not None:
-                norm_group = grid.get_norm_group() if hasattr(grid, "get_norm_group") else grid.get_model_parallel_group()
+                has_norm_group = hasattr(grid, "get_norm_group")
+                norm_group = grid.get_norm_group() if has_norm_group else grid.get_model_parallel_group()
             from .comm import build_communicator
 
             comm = build_communicator(scape_cfg.comm_backend, group)

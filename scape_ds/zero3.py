@@ -75,7 +75,8 @@ def check_deepspeed_internals() -> None:
     if getattr(cls, _PRIVATE, None) is None:
         missing.append(f"{cls.__name__}.__avg_scatter_grads")
     elif not re.search(r"def __avg_scatter_grads\(self,\s*params_to_reduce[^,]*,\s*communication_data_type", src):
-        missing.append("__avg_scatter_grads(self, params_to_reduce, communication_data_type)")  # decorated: read the source
+        # decorated: read the source
+        missing.append("__avg_scatter_grads(self, params_to_reduce, communication_data_type)")
     for name in _NEEDED:
         if f"self.{name}" not in src and f"def {name}" not in src:
             missing.append(f"{cls.__name__}.{name}")
@@ -102,7 +103,8 @@ def check_stage3_config(cfg: dict) -> None:
     bad = [what for cond, what in refused if cond]
     if bad:
         raise ValueError(f"ScapeAdamS under ZeRO stage 3 does not support {', '.join(bad)}: remove "
-                         f"{'it' if len(bad) == 1 else 'them'} (SCAPE would otherwise run dense or reduce the wrong values)")
+                         f"{'it' if len(bad) == 1 else 'them'} "
+                         "(SCAPE would otherwise run dense or reduce the wrong values)")
 
 
 _EVERYTHING = sys.maxsize
@@ -166,7 +168,8 @@ class Stage3AdamS(torch.optim.Optimizer):
                 else:
                     c = 1.0 - beta1**t if group["bias_correction"] else 1.0
                     out = torch.empty(index.numel(), dtype=p.dtype, device=p.device)
-                    get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c, **hyper)
+                    get_kernels(p.device).masked_adams_update(p, m, index, p.grad[index], out, bias_correction=c,
+                                                              **hyper)
                     state["decay_debt"] *= 1.0 - group["lr"] * group["weight_decay"]
                     state["last_index"] = index
         return None
@@ -215,8 +218,8 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             if self.replica:
                 partial = [p.ds_id for p in self._params if not getattr(p, "ds_persist", False)]
                 if partial:
-                    raise ValueError(f"param_exchange 'sparse_replica' needs every parameter persistent; {len(partial)} "
-                                     f"are not (build the engine through scape_ds.initialize)")
+                    raise ValueError(f"param_exchange 'sparse_replica' needs every parameter persistent; "
+                                     f"{len(partial)} are not (build the engine through scape_ds.initialize)")
                 self._dense_ag = sum(collective_bytes("all_gather", self._piece(p) * p.ds_tensor.element_size(), self.D)
                                      for p in self._params)  # each rank's piece in, D pieces out
 
@@ -409,7 +412,8 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
                 replica=sum(p.data.numel() * p.data.element_size() for p in self._params) if self.replica else 0,
                 param_partitions=sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self._params),
                 fp32_partitions=sum(f.numel() * f.element_size() for f in flats),
-                momentum=sum(self.optimizer.state[f]["momentum"].numel() * 4 for f in flats if f in self.optimizer.state),
+                momentum=sum(self.optimizer.state[f]["momentum"].numel() * 4 for f in flats
+                             if f in self.optimizer.state),
             )
 
         def synchronize(self) -> None:
@@ -422,9 +426,10 @@ def scape_stage3_class(scape_cfg: ScapeConfig):
             self._wait_masks()
             sd = super().state_dict()
             # keyed by the parameter's place in ds_id order: ds_ids count up across engines in one process
+            order = list(enumerate(self._params))
             sd["scape"] = dict(step=self.scape_step, rank=self.r, world_size=self.D,
-                               error={i: self.error[p.ds_id].clone() for i, p in enumerate(self._params) if p.ds_id in self.error},
-                               masks={i: self.masks[p.ds_id].clone() for i, p in enumerate(self._params) if p.ds_id in self.masks})
+                               error={i: self.error[p.ds_id].clone() for i, p in order if p.ds_id in self.error},
+                               masks={i: self.masks[p.ds_id].clone() for i, p in order if p.ds_id in self.masks})
             return sd
 
         def load_state_dict(self, state_dict_list, load_optimizer_states=True, *args, **kwargs):

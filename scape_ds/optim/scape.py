@@ -106,7 +106,8 @@ class ScapeAdamS(Optimizer):
         check_adams_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm (gradient_clipping) must be >= 0, got {max_grad_norm}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction))
         # user settings
         self.cfg = parse_scape_config(scape)
         self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
@@ -140,7 +141,8 @@ class ScapeAdamS(Optimizer):
                 dtypes = {p.dtype for p in sparse}
                 devices = {p.device for p in sparse}
                 if len(dtypes) > 1 or len(devices) > 1:
-                    raise ValueError(f"ScapeAdamS needs one dtype and device per param group, got {dtypes} on {devices}")
+                    raise ValueError(f"ScapeAdamS needs one dtype and device per param group, "
+                                     f"got {dtypes} on {devices}")
                 dtype, device = dtypes.pop(), devices.pop()
                 flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # (N_pad,)
                 for p, off, n in zip(sparse, layout.offsets, layout.numels):
@@ -199,10 +201,11 @@ class ScapeAdamS(Optimizer):
 
     def _exchange_grads(self, gs: _GroupState, dense_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Steps 1-2: returns (this shard's mean gradient at its mask or whole shard, dense grads)."""
-        D, r = self.comm.world_size, self.comm.rank
+        D = self.comm.world_size
         sparse_g = dense_g = None
         if gs.dense_params:
-            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype)) for p in gs.dense_params])  # (M,) fp32
+            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
+                                 for p in gs.dense_params])  # (M,) fp32
             self.comm.all_reduce(dense_g, "dense_ar")
             dense_g.div_(D)
         if gs.flat_param is None:
@@ -405,7 +408,8 @@ class ScapeAdamS(Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for gs, saved in zip(self._groups, sc["groups"]):
             if saved["numel"] != gs.layout.numel:
-                raise ValueError(f"checkpoint param group has {saved['numel']} sparse elements, model has {gs.layout.numel}")
+                raise ValueError(f"checkpoint param group has {saved['numel']} sparse elements, "
+                                 f"model has {gs.layout.numel}")
             _copy_into(gs.master, saved["master"])
             _copy_into(gs.momentum, saved["momentum"])
             _copy_into(gs.error, saved["error"])

@@ -1,6 +1,7 @@
 """Run DeepSpeed's own ZeRO-3 unit tests with the SCAPE stage 3 installed (sparsity 0).
 
-    git clone --branch v0.19.8 --depth 1 https://github.com/deepspeedai/DeepSpeed /path/to/DeepSpeed   # once, beforehand
+    # once, beforehand:
+    git clone --branch v0.19.8 --depth 1 https://github.com/deepspeedai/DeepSpeed /path/to/DeepSpeed
     .venv/bin/python tests/deepspeed_upstream/run_upstream.py /path/to/DeepSpeed [--baseline] [-- pytest args]
 
 Nothing is fetched here: it runs the tests of an upstream checkout you give it, from its ``tests``
@@ -81,7 +82,8 @@ def main() -> int:
         src_version = "unknown"
     if src_version != deepspeed.__version__:
         print(f"warning: the checkout's version.txt says {src_version}, the installed DeepSpeed is "
-              f"{deepspeed.__version__}; tests that differ between them may fail either way (see --baseline)", flush=True)
+              f"{deepspeed.__version__}; tests that differ between them may fail either way (see --baseline)",
+              flush=True)
     code, counts, failed, built = run(args.deepspeed_src, True, args.pytest_args)
     kinds = sorted(set(built))
     print(f"== with the SCAPE stage 3: {counts}; SCAPE stage 3 built {len(built)} times, stepping {kinds}")
@@ -93,7 +95,8 @@ def main() -> int:
         _, base_counts, base_failed, _ = run(args.deepspeed_src, False, args.pytest_args)
         print(f"== baseline (DeepSpeed alone): {base_counts}")
         only_scape = sorted(failed - base_failed)
-        print(f"== fail with SCAPE only: {only_scape or 'none'}; fail either way: {sorted(failed & base_failed) or 'none'}")
+        print(f"== fail with SCAPE only: {only_scape or 'none'}; "
+              f"fail either way: {sorted(failed & base_failed) or 'none'}")
         if only_scape:
             status = 1
     elif code != 0:

@@ -77,7 +77,9 @@ def _worker_ef_conservation(rank, world_size, tmp_path, steps):
         opt.zero_grad()
         loss_fn(model, x, y).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        index = None if opt._is_dense(opt.step_count + 1) else offsets_to_index(opt.mask_offsets(), 256, opt.cfg.k_per_chunk)
+        index = None
+        if not opt._is_dense(opt.step_count + 1):
+            index = offsets_to_index(opt.mask_offsets(), 256, opt.cfg.k_per_chunk)
         opt.step()
         n_pad = opt.error_feedback().numel()
         if accumulated is None:
@@ -138,7 +140,8 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("compressor,dense_refresh", [("scape", True), ("scape", False), ("topk", True), ("randk", True)])
+@pytest.mark.parametrize("compressor,dense_refresh",
+                         [("scape", True), ("scape", False), ("topk", True), ("randk", True)])
 def test_replicas_bitwise_equal_and_mask_delayed(tmp_path, world_size, compressor, dense_refresh):
     results = run_ranks(_worker_replicas_and_masks, world_size, tmp_path, 10, compressor, dense_refresh)
     assert all(m == 0 for m, _ in results), results
