@@ -1,6 +1,6 @@
 """Quality sweep: validation loss of SCAPE vs dense AdamW/AdamS vs raw-gradient top-k, same everything else.
 
-    python bench/quality.py --runs comparison,sweep   # the issue's comparison and refresh sweep, ~45 min on 2 cores
+    python bench/quality.py --runs comparison,sweep   # the method comparison and refresh sweep, ~45 min on 2 cores
     python bench/quality.py                        # everything (also the lr 1e-3 and lr_high sets), ~2.5 h
     python bench/quality.py --runs adamw,scape99 --train-iters 300
     python bench/quality.py --plot-only            # redraw the table and plot from saved results

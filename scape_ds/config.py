@@ -17,7 +17,7 @@ __all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
 
 
 class ScapeConfig(BaseModel):
-    """SCAPE settings (DESIGN.md section 1). One spelling of each name in JSON, kwargs and logs."""
+    """SCAPE settings (docs/design.md, The step). One spelling of each name in JSON, kwargs and logs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

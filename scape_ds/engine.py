@@ -1,4 +1,4 @@
-"""``scape_ds.initialize``: ``deepspeed.initialize`` with the SCAPE optimizer and exchange (DESIGN.md section 2).
+"""``scape_ds.initialize``: ``deepspeed.initialize`` with SCAPE (docs/design.md, DeepSpeed integration).
 
 Path A (ZeRO stage 0 or 1 in the config): DeepSpeed's engine runs forward, backward, gradient
 accumulation, the learning-rate scheduler, checkpoints and logging; its dense gradient all-reduce

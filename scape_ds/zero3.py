@@ -1,4 +1,4 @@
-"""Path B: SCAPE under DeepSpeed ZeRO stage 3 (DESIGN.md section 2).
+"""Path B: SCAPE under DeepSpeed ZeRO stage 3 (docs/design.md, Path B).
 
 :func:`scape_stage3_class` returns a subclass of DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3``
 that ``scape_ds.initialize`` has the engine build in place of its own (the engine looks the class

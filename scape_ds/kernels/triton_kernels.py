@@ -1,7 +1,7 @@
 """Triton implementations of the SCAPE hot operations (CUDA tensors; CPU under ``TRITON_INTERPRET=1``).
 
 Same signatures and results as ``torch_kernels`` (the oracle), checked against it in
-tests/unit/test_triton_kernels.py. Differences, by design:
+tests/unit/test_kernels.py. Differences, by design:
   * ``chunk_topk`` is a radix select on the bits of |score| (31 counting passes over a chunk held
     in registers), then a prefix sum writes the kept offsets in ascending order. Among equal
     magnitudes at the threshold it keeps the lowest offsets; torch.topk breaks such ties

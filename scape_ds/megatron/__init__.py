@@ -1,4 +1,4 @@
-"""Megatron-core tensor/pipeline parallelism with SCAPE on the data-parallel group (DESIGN.md section 2)."""
+"""Megatron-core tensor/pipeline parallelism with SCAPE on the data-parallel group (docs/design.md, Megatron groups)."""
 from .gpt import MegatronGPT, build_pipeline_gpt, gpt_loss, mark_replicated, megatron_config
 from .parallel import (
     CPURNGTracker,

@@ -1,6 +1,6 @@
 """ScapeAdamS: AdamS with SCAPE's sharded, sparse, error-compensated data-parallel exchange.
 
-SCAPE (Zheng, Chen, Xie, Zhang, arXiv 2607.01678) on the AdamS base optimizer; DESIGN.md section 1.
+SCAPE (Zheng, Chen, Xie, Zhang, arXiv 2607.01678) on the AdamS base optimizer; docs/design.md, The step.
 The parameters are replicated on every data-parallel rank (compute dtype); the optimizer state is
 sharded like ZeRO-1: rank r owns shard r of a flat buffer of the sparse parameters and keeps its
 fp32 master weights and momentum. One step, after backward, on rank r (mask M shared by all ranks):
