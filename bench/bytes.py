@@ -52,15 +52,18 @@ def count(params, grads, world_size: int, sparsity: float, interval: int) -> dic
     k = S // C * kc
     mask = (D - 1) * (S // C) * min(C // 8, 2 * kc)
     dense_small = sum(collective_bytes("all_reduce", p.numel() * 4, D) for p in gs.dense_params)
-    closed_sparse = collective_bytes("reduce_scatter", D * k * 4, D) + collective_bytes("all_gather", k * 4, D) + dense_small
+    closed_sparse = (collective_bytes("reduce_scatter", D * k * 4, D) + collective_bytes("all_gather", k * 4, D)
+                     + dense_small)
     closed_refresh = 2 * (D - 1) * S * 4 + dense_small + mask
     assert not sparse or sparse[0]["bytes_sent"] == closed_sparse, (sparse[0], closed_sparse)
     assert refresh[0]["bytes_sent"] == closed_refresh, (refresh[0], closed_refresh)
     mean = sum(s["bytes_sent"] for s in period) / len(period)
     dense = period[0]["bytes_dense"]
-    return dict(sparsity=sparsity, T=interval, dense_bytes=dense, sparse_step_bytes=sparse[0]["bytes_sent"] if sparse else None,
+    return dict(sparsity=sparsity, T=interval, dense_bytes=dense,
+                sparse_step_bytes=sparse[0]["bytes_sent"] if sparse else None,
                 refresh_step_bytes=refresh[0]["bytes_sent"], mask_bytes=mask, mean_bytes=mean,
-                mean_vs_dense=mean / dense, sparse_step_vs_dense=(sparse[0]["bytes_sent"] + mask / interval) / dense if sparse else None)
+                mean_vs_dense=mean / dense,
+                sparse_step_vs_dense=(sparse[0]["bytes_sent"] + mask / interval) / dense if sparse else None)
 
 
 def main() -> None:
@@ -87,8 +90,9 @@ def main() -> None:
             row = count(fresh, grads, args.ranks, sparsity, interval)
             row["count_s"] = time.perf_counter() - t0
             rows.append(row)
-            print(f"{sparsity:8.2f} {interval:5d} {row['dense_bytes'] / 1e6:14.1f} {row['sparse_step_bytes'] / 1e6:15.2f} "
-                  f"{row['refresh_step_bytes'] / 1e6:11.1f} {row['mean_bytes'] / 1e6:13.2f} {row['mean_vs_dense']:11.2%}",
+            print(f"{sparsity:8.2f} {interval:5d} {row['dense_bytes'] / 1e6:14.1f} "
+                  f"{row['sparse_step_bytes'] / 1e6:15.2f} {row['refresh_step_bytes'] / 1e6:11.1f} "
+                  f"{row['mean_bytes'] / 1e6:13.2f} {row['mean_vs_dense']:11.2%}",
                   flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -152,10 +152,12 @@ def bench_kernels(log2_n: int) -> dict:
         for impl, mod in impls:
             ms = do_bench(lambda: fn(mod), warmup=3, rep=30)
             bw = nbytes / (ms * 1e-3)
-            rows[f"{name} [{impl}]"] = dict(ms=round(ms, 4), GBps=round(bw / 1e9, 1), frac_of_copy=round(bw / copy_bw, 3))
+            rows[f"{name} [{impl}]"] = dict(ms=round(ms, 4), GBps=round(bw / 1e9, 1),
+                                            frac_of_copy=round(bw / copy_bw, 3))
 
     both = [("triton", trk), ("torch", tk)] if trk else [("torch", tk)]
-    rec(f"ef_accumulate_pack N=2^{log2_n}", lambda mod: mod.ef_accumulate_pack(err, grad, idx_all, outK), 12 * N + 16 * K, both)
+    rec(f"ef_accumulate_pack N=2^{log2_n}", lambda mod: mod.ef_accumulate_pack(err, grad, idx_all, outK),
+        12 * N + 16 * K, both)
     topk = both + ([("triton 1-bit passes", type("M", (), {"chunk_topk": staticmethod(trk.chunk_topk_bitwise)}))]
                    if trk else [])
     rec(f"chunk_topk S=2^{log2_n - 3} C=4096", lambda mod: mod.chunk_topk(scores, C, kc), 4 * S + 2 * k, topk)

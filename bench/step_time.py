@@ -235,7 +235,8 @@ def report(all_res: list[dict]) -> str:
             torch_row = res["rows"].get(name.replace(" (mpi)", "")) if name.endswith(" (mpi)") else None
             vs_torch = f"{r['step_s'] / torch_row['step_s']:.2f}" if torch_row else ""
             lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {sent / 1e6:.2f} | "
-                         f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} | {vs_torch} |")
+                         f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} | "
+                         f"{vs_torch} |")
     return "\n".join(lines)
 
 
@@ -321,7 +322,8 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
                 mem = r.get("memory_bytes") or {}
                 held = sum(mem.get(k, 0) for k in ("error_feedback", "masks", "replica"))
                 lines.append(f"| {n} | {name} | {r['step_s'] * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | "
-                             f"{r['ds_allgather_bytes'] / 1e6:.2f} | {r['total_bytes'] / 1e6:.2f} | {held / 1e6:.1f} | {ratio} |")
+                             f"{r['ds_allgather_bytes'] / 1e6:.2f} | {r['total_bytes'] / 1e6:.2f} | "
+                             f"{held / 1e6:.1f} | {ratio} |")
         print("\n".join(lines), flush=True)
     out = os.path.join(REPO, "bench", out_name)
     with open(out, "w") as f:
@@ -331,7 +333,8 @@ def mpi_loopback(args, rows=None, out_name="mpi_vs_torch_results.json", ref=None
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--rates", default="1gbit,10gbit")
     ap.add_argument("--delay", default="0.5ms")
@@ -341,7 +344,8 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"], help="sequences per rank")
+    ap.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"],
+                    help="sequences per rank")
     ap.add_argument("--zero3", action="store_true", help="cluster run: add the ZeRO-3 rows")
     ap.add_argument("--mpi", action="store_true",
                     help="cluster run: start the ranks with mpiexec inside the nodes and add the mpi-backend rows")
@@ -383,8 +387,8 @@ def main() -> int:
     print(report(all_res))
     png = os.path.join(os.path.dirname(args.out), "step_time.png")
     plot(all_res, png)
-    print(f"compute (no exchange) per step: " + ", ".join(f"{r['nodes']} nodes {r['rate']}: {r['compute_s'] * 1e3:.0f} ms"
-                                                         for r in all_res))
+    print("compute (no exchange) per step: "
+          + ", ".join(f"{r['nodes']} nodes {r['rate']}: {r['compute_s'] * 1e3:.0f} ms" for r in all_res))
     print(f"results: {args.out}, plot: {png}")
     return 0
 

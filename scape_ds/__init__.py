@@ -1,6 +1,6 @@
 """scape_ds: SCAPE sparse, error-compensated communication for DeepSpeed and Megatron-core.
 
-``scape_ds.initialize`` is ``deepspeed.initialize`` with the SCAPE optimizer (DESIGN.md); the
+``scape_ds.initialize`` is ``deepspeed.initialize`` with the SCAPE optimizer (docs/design.md); the
 pieces are importable on their own: ``scape_ds.optim`` (AdamS, ScapeAdamS), ``scape_ds.comm``
 (exchange backends and the byte meter), ``scape_ds.kernels``, ``scape_ds.config``.
 ``scape_ds.enable()`` routes frameworks that call ``deepspeed.initialize`` themselves (Hugging Face

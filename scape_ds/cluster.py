@@ -218,7 +218,8 @@ class Cluster:
     def _shape(self, ns: str, dev: str, delay: bool) -> None:
         rate_bytes = self.rate_bits / 8
         burst = max(64 * 1024, int(rate_bytes * 0.002))  # 2 ms of line rate, at least one GSO packet
-        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(self.rate_bits)}bit",
+        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+                 "rate", f"{int(self.rate_bits)}bit",
                  "burst", str(burst), "latency", "50ms")
         if delay and self.delay_applied is not False and not re.match(r"^0+(\.0+)?(us|ms|s)$", self.delay):
             proc = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
@@ -264,7 +265,8 @@ class Cluster:
         """End the processes this cluster started and delete every namespace it made. Ctrl-C,
         SIGTERM and SIGHUP are ignored until that is done, so a second one cannot cut it short."""
         main = threading.current_thread() is threading.main_thread()
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        held = {s: signal.signal(s, signal.SIG_IGN) for s in signals} if main else {}
         try:
             self._teardown()
         finally:
@@ -383,7 +385,8 @@ class Cluster:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--rate", default="1gbit", help="link bandwidth each way (tc tbf), e.g. 1gbit, 10gbit")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 __all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
 
 
 class ScapeConfig(BaseModel):
-    """SCAPE settings (DESIGN.md section 1). One spelling of each name in JSON, kwargs and logs."""
+    """SCAPE settings (docs/design.md, The step). One spelling of each name in JSON, kwargs and logs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -107,7 +107,8 @@ class ScapeConfig(BaseModel):
     def _check_combination(self) -> "ScapeConfig":
         if self.compressor == "topk" and not self.dense_refresh:
             raise ValueError(
-                "compressor='topk' selects from the reduced gradient of a dense refresh step: it needs dense_refresh=true"
+                "compressor='topk' selects from the reduced gradient of a dense refresh step: "
+                "it needs dense_refresh=true"
             )
         return self
 

@@ -141,7 +141,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         scape_cfg = parse_scape_config(cfg.get("scape"))
         check_stage3_config(cfg)
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
-            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' "
+                             "in this version")
         if scape_cfg.error_feedback_dtype != "fp32":
             raise ValueError(f"scape.error_feedback_dtype {scape_cfg.error_feedback_dtype!r} is for ZeRO stage 0/1; "
                              f"under ZeRO stage 3 it must be 'fp32'")
@@ -169,7 +170,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             group = grid.get_data_parallel_group() if grid is not None else None
             norm_group = None
             if grid is not None:
-                norm_group = grid.get_norm_group() if hasattr(grid, "get_norm_group") else grid.get_model_parallel_group()
+                has_norm_group = hasattr(grid, "get_norm_group")
+                norm_group = grid.get_norm_group() if has_norm_group else grid.get_model_parallel_group()
             from .comm import build_communicator
 
             comm = build_communicator(scape_cfg.comm_backend, group)

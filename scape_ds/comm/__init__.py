@@ -37,9 +37,8 @@ def _group_ranks(group) -> list[int] | None:
     reason = mpi_available()
     if reason:
         raise ImportError(reason)
-    from mpi4py import MPI
-
     import torch.distributed as dist
+    from mpi4py import MPI
 
     mpi_rank, mpi_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) != (mpi_rank, mpi_size):

@@ -3,8 +3,9 @@
 A :class:`Communicator` is bound to one data-parallel group. All collectives are over 1-D
 contiguous tensors (packed values, encoded masks), sums for reductions, and every call adds the
 bytes this rank sends to ``meter`` under a tag. Every tensor handed to a collective lives on
-``device`` (NCCL takes CUDA tensors only; gloo and MPI's host staging take CPU tensors). Implementations: ``TorchCommunicator``
-(torch.distributed: gloo on CPU, NCCL on GPU) and ``MPICommunicator`` (mpi4py).
+``device`` (NCCL takes CUDA tensors only; gloo and MPI's host staging take CPU tensors).
+Implementations: ``TorchCommunicator`` (torch.distributed: gloo on CPU, NCCL on GPU) and
+``MPICommunicator`` (mpi4py).
 """
 from __future__ import annotations
 

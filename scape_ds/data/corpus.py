@@ -12,7 +12,6 @@ Typical use::
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch

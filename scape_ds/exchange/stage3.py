@@ -16,8 +16,16 @@ import torch
 from ..comm import collective_bytes
 from ..config import ScapeConfig
 from .core import MaskSchedule, PendingMasks, check_same_layout, step_comm_stats
-from .pieces import (flat_indices, k_per_piece, pack_for_reduce_scatter, piece_numel, real_numel, replica_positions,
-                     split_rank_major, unpack_pieces)
+from .pieces import (
+    flat_indices,
+    k_per_piece,
+    pack_for_reduce_scatter,
+    piece_numel,
+    real_numel,
+    replica_positions,
+    split_rank_major,
+    unpack_pieces,
+)
 
 __all__ = ["Stage3Exchange"]
 

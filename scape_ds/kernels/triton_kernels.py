@@ -323,5 +323,6 @@ def decode_mask(encoded: torch.Tensor, chunk_size: int, k_per_chunk: int) -> tor
     if n_chunks:
         _decode_bits_kernel[(n_chunks,)](encoded.contiguous(), out, counts, KC=k_per_chunk, C=chunk_size)
         if not bool((counts == k_per_chunk).all()):
-            raise RuntimeError(f"corrupt mask: {int(counts.sum())} bits set, expected {n_chunks} chunks x {k_per_chunk}")
+            raise RuntimeError(f"corrupt mask: {int(counts.sum())} bits set, "
+                               f"expected {n_chunks} chunks x {k_per_chunk}")
     return out.to(torch.int16)

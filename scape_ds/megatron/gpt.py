@@ -193,7 +193,8 @@ def _seed_layer(seed) -> None:
     torch.manual_seed(int(seed))  # DeepSpeed passes a numpy int, which random.seed refuses
 
 
-def build_pipeline_gpt(cfg: GPTConfig, topology, seed: int, mp_config=None, partition_method: str = "type:ParallelBlock"):
+def build_pipeline_gpt(cfg: GPTConfig, topology, seed: int, mp_config=None,
+                       partition_method: str = "type:ParallelBlock"):
     """The GPT as a DeepSpeed PipelineModule over ``topology`` (a ``PipeModelDataParallelTopology``).
 
     Layers: tied token embedding, position embedding, blocks, final norm, tied lm head. Each
@@ -211,7 +212,8 @@ def build_pipeline_gpt(cfg: GPTConfig, topology, seed: int, mp_config=None, part
               LayerSpec(PositionEmbedding, cfg)]
     layers += [LayerSpec(ParallelBlock, cfg, mp_config) for _ in range(cfg.n_layer)]
     layers += [LayerSpec(FinalNorm, cfg),
-               TiedLayerSpec("embed", TokenEmbedding, cfg, mp_config, forward_fn=_head, tied_weight_attr=["wte.weight"])]
+               TiedLayerSpec("embed", TokenEmbedding, cfg, mp_config, forward_fn=_head,
+                             tied_weight_attr=["wte.weight"])]
     module = PipelineModule(layers=layers, loss_fn=gpt_loss, topology=topology, partition_method=partition_method,
                             seed_layers=True, seed_fn=_seed_layer, base_seed=seed, activation_checkpoint_interval=0)
     mark_replicated(module)

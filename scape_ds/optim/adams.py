@@ -108,7 +108,8 @@ class AdamS(Optimizer):
     ):
         betas = tuple(betas)
         check_adams_hyperparameters(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, foreach=foreach)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        foreach=foreach)
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
@@ -147,6 +148,7 @@ class AdamS(Optimizer):
                 adams(
                     [params[i] for i in sel], [grads[i] for i in sel], [momenta[i] for i in sel],
                     step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], bias_correction=group["bias_correction"], foreach=group["foreach"],
+                    weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+                    foreach=group["foreach"],
                 )
         return loss

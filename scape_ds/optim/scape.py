@@ -109,7 +109,8 @@ class ScapeAdamS(Optimizer):
         check_adams_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm (gradient_clipping) must be >= 0, got {max_grad_norm}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction))
         # user settings
         self.cfg = parse_scape_config(scape)
         self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
@@ -146,7 +147,8 @@ class ScapeAdamS(Optimizer):
                 dtypes = {p.dtype for p in sparse}
                 devices = {p.device for p in sparse}
                 if len(dtypes) > 1 or len(devices) > 1:
-                    raise ValueError(f"ScapeAdamS needs one dtype and device per param group, got {dtypes} on {devices}")
+                    raise ValueError(f"ScapeAdamS needs one dtype and device per param group, "
+                                     f"got {dtypes} on {devices}")
                 dtype, device = dtypes.pop(), devices.pop()
                 flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # (N_pad,)
                 for p, off, n in zip(sparse, layout.offsets, layout.numels):
@@ -244,10 +246,11 @@ class ScapeAdamS(Optimizer):
         The sparse part is the mean on sparse steps; on dense steps it is the sum over the D ranks
         (``gs.grad_divisor`` = D), read in place where it landed, and the update divides.
         """
-        D, r = self.comm.world_size, self.comm.rank
+        D = self.comm.world_size
         sparse_g = dense_g = None
         if gs.dense_params:
-            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype)) for p in gs.dense_params])  # (M,) fp32
+            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
+                                 for p in gs.dense_params])  # (M,) fp32
             self.comm.all_reduce(dense_g, "dense_ar")
             dense_g.div_(D)
         if gs.flat_param is None:
@@ -420,7 +423,8 @@ class ScapeAdamS(Optimizer):
         for gs in self._groups:
             total["params"] += nbytes(gs.flat_param) + sum(nbytes(p) for p in gs.dense_params)
             total["grads"] += nbytes(gs.flat_grad) + sum(nbytes(p.grad) for p in gs.dense_params)
-            if gs.master is not None and gs.master.data_ptr() != gs.flat_param[gs.layout.shard_slice(self.comm.rank)].data_ptr():
+            shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)] if gs.flat_param is not None else None
+            if gs.master is not None and gs.master.data_ptr() != shard.data_ptr():
                 total["master"] += nbytes(gs.master)
             total["momentum"] += nbytes(gs.momentum) + sum(nbytes(m) for m in gs.dense_momenta)
             total["error_feedback"] += nbytes(gs.error)
@@ -482,7 +486,8 @@ class ScapeAdamS(Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for gs, saved in zip(self._groups, sc["groups"]):
             if saved["numel"] != gs.layout.numel:
-                raise ValueError(f"checkpoint param group has {saved['numel']} sparse elements, model has {gs.layout.numel}")
+                raise ValueError(f"checkpoint param group has {saved['numel']} sparse elements, "
+                                 f"model has {gs.layout.numel}")
             _copy_into(gs.master, saved["master"])
             _copy_into(gs.momentum, saved["momentum"])
             _copy_into(gs.error, saved["error"])

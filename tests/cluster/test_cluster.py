@@ -39,7 +39,7 @@ def _wait_for_pids(ns: str, n: int, timeout: float = 10.0) -> None:
 
 
 def _bw_lines(stdout: str) -> dict:
-    return {r["backend"]: r for r in (json.loads(l[3:]) for l in stdout.splitlines() if l.startswith("BW "))}
+    return {r["backend"]: r for r in (json.loads(line[3:]) for line in stdout.splitlines() if line.startswith("BW "))}
 
 
 def test_rate_parsing_and_bad_values():
@@ -180,6 +180,6 @@ def test_deepspeed_launcher_with_mpich_trains_across_emulated_nodes(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "mpirun -n 2 -ppn 1 -launcher rsh" in out  # DeepSpeed's MPICH runner built the job
     assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in out
-    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])

@@ -1,6 +1,6 @@
 """Run DeepSpeed's own ZeRO-3 unit tests with the SCAPE stage 3 installed (sparsity 0).
 
-    git clone --branch v0.19.8 --depth 1 https://github.com/deepspeedai/DeepSpeed /path/to/DeepSpeed   # once, beforehand
+    git clone --branch v0.19.8 --depth 1 https://github.com/deepspeedai/DeepSpeed /path/to/DeepSpeed  # once
     .venv/bin/python tests/deepspeed_upstream/run_upstream.py /path/to/DeepSpeed [--baseline] [-- PYTEST_ARGS ...]
 
 Nothing is fetched here: it runs the tests of an upstream checkout you give it, from its ``tests``
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         src_version = "unknown"
     if src_version != deepspeed.__version__:
         print(f"warning: the checkout's version.txt says {src_version}, the installed DeepSpeed is "
-              f"{deepspeed.__version__}; tests that differ between them may fail either way (see --baseline)", flush=True)
+              f"{deepspeed.__version__}; tests that differ between them may fail either way (see --baseline)",
+              flush=True)
     code, counts, failed, built = run(args.deepspeed_src, True, args.pytest_args)
     kinds = sorted(set(built))
     print(f"== with the SCAPE stage 3: {counts}; SCAPE stage 3 built {len(built)} times, stepping {kinds}")
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         _, base_counts, base_failed, _ = run(args.deepspeed_src, False, args.pytest_args)
         print(f"== baseline (DeepSpeed alone): {base_counts}")
         only_scape = sorted(failed - base_failed)
-        print(f"== fail with SCAPE only: {only_scape or 'none'}; fail either way: {sorted(failed & base_failed) or 'none'}")
+        print(f"== fail with SCAPE only: {only_scape or 'none'}; "
+              f"fail either way: {sorted(failed & base_failed) or 'none'}")
         if only_scape:
             status = 1
     elif code != 0:

@@ -57,7 +57,8 @@ def test_sparsity_zero_equals_dense_adams_on_gpu(nccl_world, kernels, tol):
 def _peak_step_bytes(make_opt, dtype, n_tensors=16, width=2048):
     torch.cuda.empty_cache()
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(width, width, device="cuda", dtype=dtype) * 0.02) for _ in range(n_tensors)]
+    params = [torch.nn.Parameter(torch.randn(width, width, device="cuda", dtype=dtype) * 0.02)
+              for _ in range(n_tensors)]
     opt = make_opt(params)
     for step in range(12):  # past a refresh step (T=10) and sparse steps
         opt.zero_grad()

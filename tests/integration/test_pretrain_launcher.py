@@ -66,8 +66,8 @@ def _run_single(args, **env):
 
 def _one_line_error(proc, *needles):
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-    err = [l for l in lines if l.startswith("pretrain.py: error:")]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    err = [line for line in lines if line.startswith("pretrain.py: error:")]
     assert len(err) == 1, proc.stderr[-3000:]
     for n in needles:
         assert n in err[0], err[0]

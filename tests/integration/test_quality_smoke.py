@@ -15,8 +15,6 @@ import math
 import os
 
 import pytest
-
-
 import quality  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
 
 

@@ -31,8 +31,7 @@ from mpi4py import MPI  # noqa: E402
 
 from scape_ds.comm import build_communicator  # noqa: E402
 from scape_ds.optim import AdamS, ScapeAdamS  # noqa: E402
-from tests.multiprocess.models import (dense_adams_reference_step, flat_params, loss_fn, make_batch,  # noqa: E402
-                                      make_mlp)
+from tests.multiprocess.models import dense_adams_reference_step, flat_params, loss_fn, make_batch, make_mlp  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -107,7 +106,8 @@ def case_groups() -> dict:
     sub = WORLD.Split(color=mine, key=r)
     out = {}
     for backend, group in (("mpi", groups[mine]), ("torch", torch_groups[mine])):
-        _, per_step, equal = _train(backend, dict(sparsity=0.99, mask_refresh_interval=4), 8, group=group, check_comm=sub)
+        _, per_step, equal = _train(backend, dict(sparsity=0.99, mask_refresh_interval=4), 8, group=group,
+                                    check_comm=sub)
         assert all(equal), (backend, equal)
         out[backend] = per_step
     assert out["mpi"] == out["torch"], out

@@ -36,7 +36,7 @@ def _mpirun(n: int, *args, timeout: float = 360, **env) -> subprocess.CompletedP
 
 def _result(proc) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-3000:]
     return json.loads(lines[0][len("RESULT "):])
 
@@ -71,7 +71,7 @@ def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
                    "--eval-interval", "30", "--log-interval", "10", "--metrics-out", str(metrics), "--no-progress")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in proc.stdout
-    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
     assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])

@@ -16,7 +16,8 @@ def make_mlp(seed: int = 0, width: int = 64, hidden: int = 128, bias: bool = Tru
     return nn.Sequential(*layers)
 
 
-def make_batch(step: int, rank: int, width: int = 64, batch: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, rank: int, width: int = 64, batch: int = 8,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic regression batch of one rank at one step."""
     g = torch.Generator().manual_seed(seed * 100_003 + step * 101 + rank)
     x = torch.randn(batch, width, generator=g)

@@ -1,4 +1,5 @@
-"""Megatron-core tensor/pipeline parallel groups with SCAPE on the data-parallel group (gloo ranks, DeepSpeed engines)."""
+"""Megatron-core tensor/pipeline parallel groups with SCAPE on the data-parallel group (gloo ranks, DeepSpeed
+engines)."""
 from __future__ import annotations
 
 import os

@@ -139,7 +139,8 @@ def _worker_replicas_and_masks(rank, world_size, tmp_path, steps, compressor, de
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("compressor,dense_refresh", [("scape", True), ("scape", False), ("topk", True), ("randk", True)])
+@pytest.mark.parametrize("compressor,dense_refresh",
+                         [("scape", True), ("scape", False), ("topk", True), ("randk", True)])
 def test_replicas_bitwise_equal_and_mask_delayed(tmp_path, world_size, compressor, dense_refresh):
     results = run_ranks(_worker_replicas_and_masks, world_size, tmp_path, 10, compressor, dense_refresh)
     assert all(m == 0 for m, _ in results), results

@@ -25,7 +25,6 @@ def _config(opt_type: str, sparsity: float | None = None, gas: int = 1, T: int =
 
 def _gathered(engine) -> torch.Tensor:
     import deepspeed
-
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = list(engine.module.parameters())

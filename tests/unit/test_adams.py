@@ -10,7 +10,7 @@ from scape_ds.optim import AdamS
 
 
 def _reference_adams(p, grads, lr, beta1, beta2, eps, wd, bias_correction):
-    """The update of DESIGN.md section 1 in float64, one scalar formula per line."""
+    """The AdamS update of docs/design.md (The step) in float64, one scalar formula per line."""
     p = p.double().clone()
     m = torch.zeros_like(p)
     for t, g in enumerate(grads, start=1):

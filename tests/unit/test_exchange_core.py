@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from scape_ds.comm import ByteMeter
-from scape_ds.exchange.core import (MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay,
-                                    step_comm_stats)
+from scape_ds.exchange.core import (
+    MaskSchedule,
+    PendingMasks,
+    check_same_layout,
+    owe_decay,
+    settle_decay,
+    step_comm_stats,
+)
 from scape_ds.exchange.refused import refusal_message, refused_settings
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from scape_ds.exchange.masks import offsets_to_index, random_offsets, select_mask
-from scape_ds.kernels import get_kernels, torch_kernels as tk
+from scape_ds.kernels import get_kernels
+from scape_ds.kernels import torch_kernels as tk
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=1 - 0.9**3)
 

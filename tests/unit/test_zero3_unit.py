@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scape_ds.exchange.pieces import (flat_indices, k_per_piece, pack_for_reduce_scatter, piece_numel, real_numel,
-                                      replica_positions, split_rank_major, unpack_pieces)
+from scape_ds.exchange.pieces import (
+    flat_indices,
+    k_per_piece,
+    pack_for_reduce_scatter,
+    piece_numel,
+    real_numel,
+    replica_positions,
+    split_rank_major,
+    unpack_pieces,
+)
 from scape_ds.optim.adams import adams
 from scape_ds.zero3 import Stage3AdamS, check_deepspeed_internals, check_stage3_config, replica_zero_config
 
