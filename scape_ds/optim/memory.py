@@ -25,7 +25,9 @@ rho = 1 - sparsity, D = data-parallel ranks; activations and transient buffers a
 """
 from __future__ import annotations
 
-__all__ = ["scape_stage01_bytes", "bytes_per_param", "PATHS", "DTYPE_BYTES"]
+import math
+
+__all__ = ["scape_stage01_bytes", "scape_zero3_bytes", "bytes_per_param", "PATHS", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 PATHS = ("stage0", "stage1", "zero3", "zero3_sparse_replica")
@@ -49,6 +51,23 @@ def scape_stage01_bytes(numel: int, world_size: int, chunk_size: int, k_per_chun
         momentum=state * S,
         error_feedback=0 if compressor == "dense" else error_feedback_bytes * n_pad,
         masks=masks,
+    )
+
+
+def scape_zero3_bytes(numels: list[int], world_size: int, sparsity: float, param_bytes: int,
+                      replica: bool) -> dict[str, int]:
+    """Exact bytes the SCAPE stage 3 holds on one rank for parameters of ``numels`` elements, by the
+    keys of ``ScapeStage3.memory_bytes()`` (ZeRO-3 pads each parameter to D pieces of P elements)."""
+    D = world_size
+    pieces = [math.ceil(n / D) for n in numels]
+    ks = [max(1, math.ceil((1.0 - sparsity) * P)) for P in pieces]
+    return dict(
+        error_feedback=4 * D * sum(pieces),
+        masks=8 * D * sum(ks),
+        replica=param_bytes * sum(numels) if replica else 0,
+        param_partitions=param_bytes * sum(pieces),
+        fp32_partitions=4 * sum(pieces),
+        momentum=4 * sum(pieces),
     )
 
 

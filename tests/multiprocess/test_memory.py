@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from scape_ds.kernels.torch_kernels import BLOCK_NUMEL
 from scape_ds.optim import ScapeAdamS
-from scape_ds.optim.memory import DTYPE_BYTES, bytes_per_param, scape_stage01_bytes
+from scape_ds.optim.memory import DTYPE_BYTES, bytes_per_param, scape_stage01_bytes, scape_zero3_bytes
 
 from .harness import run_ranks
 
@@ -130,9 +130,47 @@ def test_bytes_per_param_table_matches_the_exact_accounting():
                 exact = sum(scape_stage01_bytes(n, D, 4096, 41, p, DTYPE_BYTES[ef]).values()) / n
                 limit = bytes_per_param("stage0", "scape", D, dtype, sparsity=1 - 41 / 4096, error_feedback_dtype=ef)
                 assert exact == pytest.approx(limit, rel=1e-12), (D, dtype, ef)
+    for D in (8, 64):  # ZeRO-3: memory_bytes() plus ZeRO-3's fp32 gradient partition (4/D, as under AdamW)
+        for dtype, p in DTYPE_BYTES.items():
+            for replica in (False, True):
+                numels = [D * 4096 * 4096] * 3
+                exact = sum(scape_zero3_bytes(numels, D, 0.99, p, replica).values()) / sum(numels) + 4 / D
+                path = "zero3_sparse_replica" if replica else "zero3"
+                # (k_p = ceil(rho * P) rounds up by under one element per parameter)
+                assert exact == pytest.approx(bytes_per_param(path, "scape", D, dtype), rel=1e-6)
     # the yardsticks: fp32 AdamW stage 0 keeps 16 bytes a parameter; SCAPE fp32 at D=8 about 12.6
     assert bytes_per_param("stage0", "adamw", 8) == 16
     assert bytes_per_param("stage1", "adamw", 8, "bf16") == 4 + 12 / 8
     assert bytes_per_param("stage0", "scape", 8) == pytest.approx(12 + 0.5 + 0.1 + 0.01)
     with pytest.raises(ValueError, match="path"):
         bytes_per_param("stage2", "scape", 8)
+
+
+def _worker_zero3(rank, world_size, tmp_path, exchange):
+    import os
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import scape_ds
+
+    from .models import loss_fn, make_batch, make_mlp
+
+    model = make_mlp(seed=5, bias=True, norm=True)
+    numels = [p.numel() for p in model.parameters()]
+    zero = {"stage": 3} if exchange == "sparse_replica" else {"stage": 3, "stage3_param_persistence_threshold": 0}
+    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9, "zero_optimization": zero,
+           "optimizer": {"type": "ScapeAdamS", "params": {"lr": 1e-2}},
+           "scape": {"sparsity": 0.99, "mask_refresh_interval": 2, "chunk_size": 256, "param_exchange": exchange}}
+    engine, *_ = scape_ds.initialize(model=model, config=cfg)
+    for step in range(3):
+        x, y = make_batch(step, rank)
+        engine.backward(loss_fn(engine, x, y))
+        engine.step()
+    engine.optimizer.synchronize()
+    return engine.optimizer.memory_bytes(), scape_zero3_bytes(numels, world_size, 0.99, 4, exchange == "sparse_replica")
+
+
+@pytest.mark.parametrize("exchange", ["dense", "sparse_replica"])
+def test_zero3_memory_bytes_match_the_formula(tmp_path, exchange):
+    for got, want in run_ranks(_worker_zero3, 2, tmp_path, exchange):
+        assert got == want, (got, want)
