@@ -2,7 +2,7 @@
 resume: a run stopped at a checkpoint and continued gives the same losses as one run straight through.
 
 What a short run can honestly show, from the measurements in bench/RESULTS.md: at 100 steps SCAPE
-0.9 is already at dense AdamS's validation loss (measured 2.545 vs 2.563), while SCAPE 0.99 still
+0.9 is already at dense AdamS's validation loss (measured 2.545 vs 2.557), while SCAPE 0.99 still
 lags (3.26: with T=100 its first 100 steps use one mask chosen at step 0); the 1500-step sweep is
 where 0.99 is judged. So this asserts 0.9 within 5% of dense AdamS, 0.99 learning (validation loss
 below the untrained model's ln 256 = 5.55 by a wide margin), the bytes each sent, and the diagnostics:
