@@ -1,5 +1,5 @@
-# The two commands of README.md: `make pretrain` (the main job) and `make test` (every test).
-# Each creates and fills the local virtualenv .venv on first use.
+# The two commands of README.md: `make pretrain` (the main job) and `make test` (every test);
+# `make test-fast` runs the fast tier (tests/README.md). Each creates and fills .venv on first use.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +14,7 @@ PLATFORM ?= manylinux_2_28_x86_64
 WHEELHOUSE ?= wheelhouse
 DEEPSPEED_VERSION := $(shell sed -n 's/^deepspeed==//p' constraints.txt)
 
-.PHONY: install pretrain test bench-bytes bench-overhead wheelhouse clean
+.PHONY: install pretrain test test-fast lint bench-bytes bench-overhead wheelhouse clean
 
 # constraints.txt pins the tested versions; setup.py asks only for ranges (keeps a user's CUDA torch)
 $(BIN)/.installed: setup.py constraints.txt
@@ -29,6 +29,14 @@ pretrain: install
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests $(ARGS)
+
+# unit tests and the quick multi-rank tests: no launcher, MPI, root, slow or GPU tests
+FAST := not (launcher or mpi or root or slow or gpu)
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "$(FAST)" tests $(ARGS)
+
+lint: install
+	$(BIN)/python -m ruff check .
 
 bench-bytes: install
 	$(BIN)/python bench/bytes.py
