@@ -24,24 +24,28 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from scape_ds.comm import TorchCommunicator
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class _RecordingCommunicator(TorchCommunicator):
+    """Keeps the last gradient reduce-scatter's input (what this rank sent)."""
+
+    def reduce_scatter(self, out, inp, tag):
+        if tag == "grad_rs":
+            self.last = inp.detach().double().clone()
+        super().reduce_scatter(out, inp, tag)
+
+
 def conservation(ef: str, steps: int = 100) -> float:
-    from scape_ds.comm import TorchCommunicator
     from scape_ds.exchange.masks import offsets_to_index
     from scape_ds.optim import ScapeAdamS
-
-    class Recording(TorchCommunicator):
-        def reduce_scatter(self, out, inp, tag):
-            if tag == "grad_rs":
-                self.last = inp.detach().double().clone()
-            super().reduce_scatter(out, inp, tag)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.GELU(),
                                 torch.nn.Linear(1024, 1024, bias=False))
-    comm = Recording()
+    comm = _RecordingCommunicator()
     opt = ScapeAdamS(model.parameters(), lr=1e-3, comm=comm, scape=dict(
         sparsity=0.99, chunk_size=4096, mask_refresh_interval=100, error_feedback_dtype=ef, kernels="torch"))
     gen = torch.Generator().manual_seed(1)
@@ -51,7 +55,7 @@ def conservation(ef: str, steps: int = 100) -> float:
         x = torch.randn(16, 1024, generator=gen)
         model(x).square().mean().backward()
         grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        dense = opt._is_dense(opt.step_count + 1)
+        dense = opt.schedule.is_dense(opt.step_count + 1)
         index = None if dense else offsets_to_index(opt.mask_offsets(), 4096, opt.cfg.k_per_chunk)
         opt.step()
         if accumulated is None:

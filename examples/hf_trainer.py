@@ -23,9 +23,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 import scape_ds
 from scape_ds.data import build_datasets
+from scape_ds.engine import is_scape_optimizer
 
 
 def _print_line(text: str) -> None:
@@ -51,38 +53,32 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}  # GPT-2 shifts the labels itself
 
 
-def scape_report_callback():
-    """A ``TrainerCallback`` that prints one ``scape_step`` JSON line per step on rank 0."""
-    from transformers import TrainerCallback
+class ScapeReport(TrainerCallback):
+    """Prints one ``scape_step`` JSON line per step on rank 0 (loss, optimizer, bytes sent vs dense)."""
 
-    from scape_ds.engine import is_scape_optimizer
+    def __init__(self):
+        self.bytes = {}  # global step -> (optimizer class, bytes sent, dense bytes)
+        self.sent = self.dense = 0
 
-    class ScapeReport(TrainerCallback):
-        def __init__(self):
-            self.bytes = {}  # global step -> (optimizer class, bytes sent, dense bytes)
-            self.sent = self.dense = 0
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps DeepSpeed's optimizer
+        stats = inner.comm_stats if is_scape_optimizer(inner) else {}
+        sent, dense = int(stats.get("bytes_sent", 0)), int(stats.get("bytes_dense", 0))
+        self.bytes[state.global_step] = (type(inner).__name__, sent, dense)
+        self.sent, self.dense = self.sent + sent, self.dense + dense
 
-        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps DeepSpeed's optimizer
-            stats = inner.comm_stats if is_scape_optimizer(inner) else {}
-            sent, dense = int(stats.get("bytes_sent", 0)), int(stats.get("bytes_dense", 0))
-            self.bytes[state.global_step] = (type(inner).__name__, sent, dense)
-            self.sent, self.dense = self.sent + sent, self.dense + dense
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if dist.get_rank() != 0 or "loss" not in (logs or {}):
+            return
+        name, sent, dense = self.bytes.get(state.global_step, ("?", 0, 0))
+        record = dict(step=state.global_step, loss=logs["loss"], optimizer=name, bytes_sent=sent,
+                      bytes_dense=dense)
+        _print_line("scape_step " + json.dumps(record))
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if dist.get_rank() != 0 or "loss" not in (logs or {}):
-                return
-            name, sent, dense = self.bytes.get(state.global_step, ("?", 0, 0))
-            record = dict(step=state.global_step, loss=logs["loss"], optimizer=name, bytes_sent=sent,
-                          bytes_dense=dense)
-            _print_line("scape_step " + json.dumps(record))
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if dist.get_rank() == 0 and self.dense:
-                print(f"done: {state.global_step} steps | sent {self.sent / 1e6:.2f} MB of a dense "
-                      f"{self.dense / 1e6:.2f} MB ({self.sent / self.dense:.2%})", flush=True)
-
-    return ScapeReport()
+    def on_train_end(self, args, state, control, **kwargs):
+        if dist.get_rank() == 0 and self.dense:
+            print(f"done: {state.global_step} steps | sent {self.sent / 1e6:.2f} MB of a dense "
+                  f"{self.dense / 1e6:.2f} MB ({self.sent / self.dense:.2%})", flush=True)
 
 
 def main() -> None:
@@ -117,7 +113,7 @@ def main() -> None:
         # and reads the whole dataset), so each rank draws windows of its own
         seed += dist.get_rank()
     dataset = ByteWindows(train, args.seq_len, n=args.max_steps * args.batch_size * targs.world_size, seed=seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[scape_report_callback()])
+    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[ScapeReport()])
     trainer.train()
 
 

@@ -76,7 +76,7 @@ def _worker(rank, world_size, tmp_path, scape, dtype, staging):
             recorded["sparse" if t == 3 else "refresh"] = rec.ops
         else:
             opt.step()
-    assert opt.comm_stats["dense_step"] and opt._is_dense(3) == (opt.cfg.compressor == "dense")
+    assert opt.comm_stats["dense_step"] and opt.schedule.is_dense(3) == (opt.cfg.compressor == "dense")
     mem = opt.memory_bytes()
     sc = opt.cfg
     ef = DTYPE_BYTES[sc.error_feedback_dtype] if dtype != torch.float64 else 8
