@@ -23,8 +23,7 @@ scape_ds/train.py (``python -m scape_ds.train`` is the same program).
 """
 import sys
 
-# bench/quality.py loads this file by path and calls these; new code imports scape_ds.train
-from scape_ds.train import build_parser, check_inputs, init_distributed, main, train  # noqa: F401
+from scape_ds.train import main
 
 if __name__ == "__main__":
     sys.exit(main())
