@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from scape_ds.spawn import free_port
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -22,8 +24,8 @@ BIN = os.path.dirname(sys.executable)
 STEPS = 10
 
 
-def _run_example(script, port, *args):
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(port), script, *args]
+def _run_example(script, *args):
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
@@ -45,18 +47,18 @@ def _check_scape_run(rows, optimizer):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config,optimizer,port", [
-    ("ds_configs/hf_scape.json", "ScapeAdamS", 29761),  # ZeRO stage 0/1: SCAPE shards the state itself
-    ("ds_configs/hf_scape_zero3.json", "ScapeStage3", 29762),  # DeepSpeed's stage 3 with SCAPE's exchange
+@pytest.mark.parametrize("config,optimizer", [
+    ("ds_configs/hf_scape.json", "ScapeAdamS"),  # ZeRO stage 0/1: SCAPE shards the state itself
+    ("ds_configs/hf_scape_zero3.json", "ScapeStage3"),  # DeepSpeed's stage 3 with SCAPE's exchange
 ])
-def test_hf_trainer_example_trains_with_scape(config, optimizer, port, tmp_path):
-    rows = _run_example("examples/hf_trainer.py", port, "--deepspeed", config, "--max-steps", str(STEPS),
+def test_hf_trainer_example_trains_with_scape(config, optimizer, tmp_path):
+    rows = _run_example("examples/hf_trainer.py", "--deepspeed", config, "--max-steps", str(STEPS),
                         "--output-dir", str(tmp_path / "out"))
     _check_scape_run(rows, optimizer)
 
 
 @pytest.mark.timeout(900)
 def test_hf_gpt2_script_example_trains_with_scape():
-    rows = _run_example("examples/hf_gpt2_script.py", 29763, "--deepspeed_config", "ds_configs/scape.json",
+    rows = _run_example("examples/hf_gpt2_script.py", "--deepspeed_config", "ds_configs/scape.json",
                         "--train-iters", str(STEPS))
     _check_scape_run(rows, "ScapeAdamS")

@@ -164,14 +164,14 @@ def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["--deepspeed_config", "ds_configs/scape.json", "--eval-interval", "2", "--eval-iters", "1",
               "--log-interval", "1", "--no-progress", "--dist-timeout", "60"]
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29751", "launch/pretrain.py",
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            *common, "--train-iters", "2", "--save", str(ckpt)]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     victim = ckpt / "global_step2" / "scape_dp_rank_00001.pt"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29752", "launch/pretrain.py",
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            *common, "--train-iters", "4", "--load", str(ckpt)]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode != 0
