@@ -63,6 +63,19 @@ def _torch_for_big_chunk(chunk_size: int) -> bool:
 
 
 @triton.jit
+def _store_kept(key, thr, offs, out_ptr, chunk, KC: tl.constexpr):
+    """Store, ascending, the offsets of the KC largest keys of a chunk given the KC-th largest ``thr``
+    (every key above it, and the lowest-offset keys equal to it)."""
+    greater = key > thr
+    need = KC - tl.sum(greater.to(tl.int32), axis=0)  # how many keys equal to thr to keep
+    equal = key == thr
+    equal_rank = tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equals, lowest offset first
+    keep = greater | (equal & (equal_rank <= need))
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # ascending output slot of each kept offset
+    tl.store(out_ptr + chunk * KC + pos, offs.to(tl.int32), mask=keep)
+
+
+@triton.jit
 def _round_to(x, dst_ty: tl.constexpr):
     """Cast fp32 ``x`` to ``dst_ty`` rounding to nearest-even, as torch does; bf16 by bit arithmetic
     because Triton's interpreter truncates fp32 -> bf16 casts (on GPU the result is the same)."""
@@ -138,13 +151,7 @@ def _chunk_topk_kernel(scores_ptr, out_ptr, KC: tl.constexpr, C: tl.constexpr):
         need = need - tl.sum(tl.where(bins > sel, hist, 0), axis=0)
         thr = thr | (sel << shift)
     # thr is now the KC-th largest key
-    greater = key > thr
-    need = KC - tl.sum(greater.to(tl.int32), axis=0)  # how many keys equal to thr to keep
-    equal = key == thr
-    equal_rank = tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equals, lowest offset first
-    keep = greater | (equal & (equal_rank <= need))
-    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # ascending output slot of each kept offset
-    tl.store(out_ptr + chunk * KC + pos, offs.to(tl.int32), mask=keep)
+    _store_kept(key, thr, offs, out_ptr, chunk, KC)
 
 
 @triton.jit
@@ -159,13 +166,7 @@ def _chunk_topk_bitwise_kernel(scores_ptr, out_ptr, KC: tl.constexpr, C: tl.cons
         cand = thr | (1 << (30 - b))
         cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
         thr = tl.where(cnt >= KC, cand, thr)
-    greater = key > thr
-    need = KC - tl.sum(greater.to(tl.int32), axis=0)  # how many keys equal to thr to keep
-    equal = key == thr
-    equal_rank = tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equals, lowest offset first
-    keep = greater | (equal & (equal_rank <= need))
-    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # ascending output slot of each kept offset
-    tl.store(out_ptr + chunk * KC + pos, offs.to(tl.int32), mask=keep)
+    _store_kept(key, thr, offs, out_ptr, chunk, KC)
 
 
 def _num_warps(chunk_size: int) -> int:
