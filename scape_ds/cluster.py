@@ -215,12 +215,13 @@ class Cluster:
     def _ns(self, ns: str, *cmd: str) -> None:
         _sh("ip", "netns", "exec", ns, *cmd)
 
+    @staticmethod
+    def _tbf(rate_bits: float) -> list[str]:
+        burst = max(64 * 1024, int(rate_bits / 8 * 0.002))  # 2 ms of line rate, at least one GSO packet
+        return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "50ms"]
+
     def _shape(self, ns: str, dev: str, delay: bool) -> None:
-        rate_bytes = self.rate_bits / 8
-        burst = max(64 * 1024, int(rate_bytes * 0.002))  # 2 ms of line rate, at least one GSO packet
-        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                 "rate", f"{int(self.rate_bits)}bit",
-                 "burst", str(burst), "latency", "50ms")
+        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(self.rate_bits))
         if delay and self.delay_applied is not False and not re.match(r"^0+(\.0+)?(us|ms|s)$", self.delay):
             proc = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                        "netem", "delay", self.delay, "limit", "100000", check=False)
@@ -260,6 +261,24 @@ class Cluster:
                 return
             time.sleep(0.1)
         raise RuntimeError(f"links did not come up within {timeout} s: {states}")
+
+    # -- faults (tests: tests/cluster/test_faults.py) ------------------------------------------
+    def link_down(self, i: int) -> None:
+        """Cut node ``i`` off: its port on the bridge goes down, so its ``eth0`` loses carrier (a
+        pulled cable). Packets either way are dropped; open connections just stop hearing back."""
+        self._ns(self.hub, "ip", "link", "set", f"h{i}", "down")
+
+    def link_up(self, i: int) -> None:
+        """Plug node ``i`` back in (:meth:`link_down` undone) and wait until its link is up."""
+        self._ns(self.hub, "ip", "link", "set", f"h{i}", "up")
+        self._wait_links()
+
+    def set_rate(self, i: int, rate: str) -> None:
+        """Reshape node ``i``'s link to ``rate`` both ways (e.g. ``"1mbit"``) while ranks run; the
+        other nodes' links keep theirs. Raises ValueError for a rate :func:`parse_rate_bits` refuses."""
+        tbf = self._tbf(parse_rate_bits(rate))
+        self._ns(self.node(i), "tc", "qdisc", "change", "dev", "eth0", "root", "handle", "1:", *tbf)
+        self._ns(self.hub, "tc", "qdisc", "change", "dev", f"h{i}", "root", "handle", "1:", *tbf)
 
     def close(self) -> None:
         """End the processes this cluster started and delete every namespace it made. Ctrl-C,
