@@ -13,6 +13,10 @@ The training loop behind ``launch/pretrain.py`` (its docstring has the commands)
    metrics record per step (:class:`scape_ds.metrics.MetricsWriter`);
 5. save; print the bytes SCAPE sent against the dense exchange (:func:`format_summary`).
 
+A peer lost mid-run (a dropped link, a dead node) ends every rank within ``--dist-timeout`` (plus a
+few seconds) with one line naming the silent rank and the last complete checkpoint, and exit code 3
+(:mod:`scape_ds.faults`).
+
 Rank 0 prints and writes metrics; every rank trains. Heavy imports (torch, DeepSpeed) happen inside
 the functions, so a bad input is reported before they load.
 """
@@ -310,7 +314,7 @@ def format_summary(summary: dict, losses: list[float]) -> str:
             f"{dense / 1e6:.1f} MB: {frac:.2%} ({saved})")
 
 
-def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) -> dict:
+def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None) -> dict:
     """Train ``args.train_iters`` optimizer steps (from the checkpoint's step with ``--load``).
 
     Needs torch.distributed started (:func:`init_distributed`).
@@ -320,6 +324,8 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
         cfg: the DeepSpeed config :func:`check_inputs` returned.
         on_step: called as ``on_step(step, engine)`` on every rank after each optimizer step (``step``
             counts from 1), after that step's record and validation, outside the timed region.
+        watch: a :class:`scape_ds.faults.PeerWatch` whose ``phase`` the loop keeps current (step,
+            validation, save), for the report of a lost peer.
 
     Returns:
         ``steps`` (of this run), ``final_loss`` (the last step's), ``val_loss`` (the last validation),
@@ -332,6 +338,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
     from scape_ds.checkpoint import load_checkpoint, save_checkpoint
     from scape_ds.data import build_datasets
     from scape_ds.engine import scape_optimizer
+    from scape_ds.faults import PeerWatch, bound_group_timeouts
     from scape_ds.metrics import MetricsWriter
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -339,7 +346,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
     device = torch.device(f"cuda:{args.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
     train_data, val_data = build_datasets(args.val_fraction, name=args.corpus)
+    watch = watch or PeerWatch()
     setup = build_engine(args, cfg, device)
+    bound_group_timeouts(args.dist_timeout)  # DeepSpeed's and megatron-core's groups: --dist-timeout too
     engine = setup.engine
     opt = scape_optimizer(engine)
     dense_bytes = dense_bytes_for(setup.model, setup.dp_size)
@@ -362,6 +371,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
     t_run = time.perf_counter()
     with metrics:
         for step in range(start, args.train_iters):
+            watch.phase = f"step {step + 1}"
             lr = engine.get_lr()[0]
             t0 = time.perf_counter()
             mean_loss = _train_step(setup, train_data, args, step, device)
@@ -375,6 +385,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
             record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent,
                           bytes_dense=dense, tokens_per_s=tokens_per_step / step_time)
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.train_iters:
+                watch.phase = f"validation at step {step + 1}"
                 val_loss = record["val_loss"] = evaluate(setup, val_data, args, device)
             losses.append(mean_loss)
             metrics.write(record)
@@ -386,11 +397,13 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
                 on_step(step + 1, engine)
             if (args.save and args.save_interval and (step + 1) % args.save_interval == 0
                     and step + 1 != args.train_iters):
+                watch.phase = f"saving global_step{step + 1}"
                 save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
         bar.close()
         if opt is not None:
             opt.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
         if args.save:
+            watch.phase = f"saving global_step{args.train_iters}"
             save_checkpoint(engine, args.save, args.train_iters, dict(step=args.train_iters))
         summary = dict(steps=args.train_iters - start, final_loss=losses[-1] if losses else float("nan"),
                        val_loss=val_loss, bytes_sent=sent_total, bytes_dense=dense_total,
@@ -401,7 +414,8 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
 
 
 def main(argv=None) -> int:
-    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input."""
+    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input; a rank whose peer
+    stopped answering prints one line (:mod:`scape_ds.faults`) and ends the process with exit code 3."""
     args = build_parser().parse_args(argv)
     try:
         cfg = check_inputs(args)
@@ -409,12 +423,24 @@ def main(argv=None) -> int:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
+
     init_distributed(args.dist_timeout)
+    watch = PeerWatch()
     try:
-        train(args, cfg)
+        train(args, cfg, watch=watch)
     except (ValueError, ImportError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:
+        if not is_peer_lost(e):
+            raise
+        print(f"pretrain.py: error: {report_lost_peer(e, watch, args.dist_timeout, args.save)}", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        # at once: the interpreter's teardown of torch and DeepSpeed takes seconds of garbage collection
+        # on a busy machine, and gloo's threads may still wait on the dead link (metrics are closed)
+        os._exit(3)
     finally:
         import torch.distributed as dist
 
