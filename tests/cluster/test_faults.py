@@ -6,9 +6,11 @@ loads. A link slowed to 1 Mbit/s mid-run costs time, not steps or numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -52,12 +54,24 @@ def _text(tmp_path, name: str, rank: int, stream: str) -> str:
     return (tmp_path / f"{name}.{rank}.{stream}").read_text()
 
 
-def _wait_until(cond, procs, timeout: float, what: str) -> None:
+def _wait_until(cond, procs, timeout: float, what: str, poll: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert all(p.poll() is None for p in procs), f"a rank ended before {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.1)
+        time.sleep(poll)
+
+
+@contextlib.contextmanager
+def _stopped(procs):
+    """Every rank frozen (SIGSTOP) inside the block, resumed after it: far below their collective timeout."""
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)  # `ip netns exec` execs the command: p.pid is the rank
+    try:
+        yield
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
 
 
 def _exit_times(procs, timeout: float) -> list[float | None]:
@@ -112,7 +126,7 @@ def test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_re
 
 
 def test_link_slowed_to_1mbit_mid_run_loses_nothing(tmp_path):
-    """The same 24 steps twice: on 1 Gbit/s links, and with node 1's link cut to 1 Mbit/s after step 6.
+    """The same 18 steps twice: on 1 Gbit/s links, and with node 1's link cut to 1 Mbit/s after step 6.
     The steps after the change take at least the time their bytes need at 1 Mbit/s (less the token
     bucket's 64 KiB burst; a dense step every 4th, the mask refresh, sends 88 KB); the run still
     finishes every step, with the same losses and the same final weights and optimizer state, bit for
@@ -122,7 +136,7 @@ def test_link_slowed_to_1mbit_mid_run_loses_nothing(tmp_path):
     cfg["scape"]["mask_refresh_interval"] = 4  # a dense exchange every 4 steps: bytes that feel the link
     config = tmp_path / "scape_t4.json"
     config.write_text(json.dumps(cfg))
-    steps, slow_after = 24, 6
+    steps, slow_after = 18, 6
     assert not _ours()
     with Cluster(2, "1gbit", "0.5ms") as c:
         losses = {}
@@ -133,9 +147,10 @@ def test_link_slowed_to_1mbit_mid_run_loses_nothing(tmp_path):
                                                   "--save", str(tmp_path / name)],
                               port_offset=0 if name == "fast" else 1)
             if name == "slow":
-                _wait_until(lambda: len(_rows(metrics)) >= slow_after, procs, 120, f"step {slow_after}")
-                c.set_rate(1, "1mbit")
-                changed_at = len(_rows(metrics))  # steps recorded before the link slowed
+                _wait_until(lambda: len(_rows(metrics)) >= slow_after, procs, 120, f"step {slow_after}", poll=0.01)
+                with _stopped(procs):  # steps take ~20 ms: the run would finish while tc runs
+                    c.set_rate(1, "1mbit")
+                    changed_at = len(_rows(metrics))  # steps recorded before the link slowed
                 assert changed_at <= steps - 8, "the run outpaced the rate change"
             assert c.wait(procs, 240) == [0, 0], [_text(tmp_path, name, r, "err")[-3000:] for r in range(2)]
             rows = _rows(metrics)
