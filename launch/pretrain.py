@@ -19,7 +19,9 @@ bad input is one line on stderr and a non-zero exit; start torch.distributed; bu
 model (scape_ds.models, single-device code) and the engine (scape_ds.initialize); optionally load a
 checkpoint; train with a progress bar, a log line every --log-interval steps and validation every
 --eval-interval steps; save; print the bytes SCAPE sent against the dense exchange. The loop lives in
-scape_ds/train.py (``python -m scape_ds.train`` is the same program).
+scape_ds/train.py (``python -m scape_ds.train`` is the same program). A lost peer (a dropped link, a
+dead node) ends every rank within --dist-timeout plus a few seconds, exit code 3, with one line naming
+the silent rank and the checkpoint to resume from with --load (scape_ds/faults.py).
 """
 import sys
 

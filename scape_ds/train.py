@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("auto", "gpt", "megatron"), default="auto",
                    help="gpt: scape_ds.models.GPT; megatron: megatron-core tensor_parallel layers; "
                         "auto: megatron when TP or PP > 1")
-    p.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
+    p.add_argument("--dist-timeout", type=float, default=120.0,
+                   help="seconds a collective waits for a silent peer; then every rank exits 3 with one line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     return p
 
