@@ -41,8 +41,8 @@ __all__ = ["PeerWatch", "is_peer_lost", "bound_group_timeouts", "probe_peers",
            "describe_lost_peer", "report_lost_peer", "last_checkpoint"]
 
 # gloo's and c10d's messages for a peer that stopped answering or went away (gloo/transport/tcp)
-_LOST = re.compile(r"timed out|timeout|connection (reset|closed|refused|timed out)|broken pipe|read error|"
-                   r"write error|no route to host|network is unreachable|connectfullmesh|socket closed",
+_LOST = re.compile(r"timed out waiting|socket timeout|connection (reset|closed|refused|timed out)|broken pipe|"
+                   r"read error|write error|no route to host|network is unreachable|connectfullmesh|socket closed",
                    re.IGNORECASE)
 _WAITED_MS = re.compile(r"waiting (\d+)\s*ms", re.IGNORECASE)
 _KEY = "scape_lost_peer/{}"
@@ -111,7 +111,6 @@ def probe_peers(rank: int, world_size: int, wait_s: float) -> list[int] | None:
     from torch.distributed import distributed_c10d as c10d
 
     found: dict = {}
-
     deadline = time.monotonic() + wait_s
 
     def run():
@@ -151,12 +150,14 @@ def last_checkpoint(save_dir: str | None) -> str:
 def _collective(exc: BaseException) -> str:
     """The collective that failed: the SCAPE tag when a TorchCommunicator call is on the traceback,
     else the innermost ``torch.distributed`` function, else 'a collective'."""
+    from .comm.torch_comm import TorchCommunicator
+
     tag = c10d_name = None
     for e in _causes(exc):
         tb = e.__traceback__
         while tb is not None:
             code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
-            if code.co_name in _COMM_METHODS and type(local.get("self")).__name__ == "TorchCommunicator":
+            if code.co_name in _COMM_METHODS and isinstance(local.get("self"), TorchCommunicator):
                 tag = local.get("tag", tag)
             elif code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
                 c10d_name = code.co_name

@@ -77,3 +77,7 @@ def test_last_checkpoint_says_when_there_is_none_yet(tmp_path):
     assert last_checkpoint(str(tmp_path)) == f"no checkpoint was completed in {tmp_path} yet"
     (tmp_path / "latest").write_text("global_step5\n")
     assert last_checkpoint(str(tmp_path)).startswith("the last complete checkpoint is global_step5 in ")
+
+
+def test_a_timeout_elsewhere_is_not_a_lost_peer():
+    assert not is_peer_lost(RuntimeError("Timeout waiting for the lock on the extension build directory"))
