@@ -99,6 +99,7 @@ def test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_re
         time.sleep(0.5)  # mid-run: between checkpoints, or in one
         c.link_down(1)
         ends = _exit_times(procs, TIMEOUT_S + 60)
+        print(f"ranks exited {ends} s after the cut (--dist-timeout {TIMEOUT_S})")
         codes = [p.returncode for p in procs]
         errs = [_text(tmp_path, "cut", r, "err") for r in range(2)]
         assert codes == [3, 3], (codes, [e[-3000:] for e in errs])
