@@ -150,6 +150,8 @@ class Cluster:
         with Cluster(2, "1gbit", "0.5ms") as c:
             procs = c.launch(["python", "x.py"])
             c.wait(procs, timeout=600)
+
+    Faults while ranks run: :meth:`link_down`, :meth:`link_up`, :meth:`set_rate`.
     """
 
     nodes: int

@@ -177,7 +177,7 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
         return f"timed out after {int(waited.group(1)) / 1000:g} s"
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return f"timed out after {timeout_s:g} s"
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's [file.cc:line] prefix
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # without gloo's [file.cc:line] and its advice
     return f"failed: {text[:160]}"
 
 

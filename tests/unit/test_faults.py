@@ -10,7 +10,8 @@ from scape_ds.faults import describe_lost_peer, is_peer_lost, last_checkpoint
 GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                 "20000ms for recv operation to complete")
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
-              "[10.77.0.2]:40312: Connection reset by peer")
+              "[10.77.0.2]:40312: Connection reset by peer. This is typically caused by a remote worker hanging or "
+              "bugs in the application. Check the logs of the remote worker.")
 
 
 def _comm() -> TorchCommunicator:
