@@ -1,6 +1,6 @@
-"""Atomic checkpoints of a DeepSpeed engine with every rank's SCAPE state.
+"""Atomic, verified checkpoints of a DeepSpeed engine with every rank's SCAPE state.
 
-Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
+Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank and a manifest)::
 
     latest                           the tag of the newest complete checkpoint, written last
     global_step<N>/                  DeepSpeed's model, scheduler and client state files
@@ -8,33 +8,50 @@ Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
                                      error feedback, masks, step counters (with tensor or pipeline
                                      parallelism several ranks share a data-parallel rank:
                                      scape_dp_rank_<r>_global_rank_<g>.pt)
+    global_step<N>/manifest.json     every other file of the tag: name, size in bytes, sha256
 
 Steps of :func:`save_checkpoint`: (1) DeepSpeed writes its files into the tag directory without
 touching ``latest``; (2) every rank writes its SCAPE state to a temporary file and renames it into
-place; (3) a barrier; (4) rank 0 writes ``latest`` by rename. A run killed anywhere before (4)
+place; (3) a barrier; (4) the ranks hash the tag's files (file i on rank i mod world size) and rank 0
+writes the manifest; (5) rank 0 writes ``latest`` by rename. A run killed anywhere before (5)
 leaves ``latest`` naming the previous complete checkpoint, which is what :func:`load_checkpoint`
 loads. DeepSpeed's old 1-bit Adam dropped its error feedback on load; here it is part of the state.
+The tag directory is assumed to be on storage every rank sees (as DeepSpeed's own loading assumes).
 
-Steps of :func:`load_checkpoint`: (1) every rank reads its own SCAPE file in full and checks that
-each of DeepSpeed's archives in the tag directory it is given (file i to rank i mod world size) is
-complete; (2) the ranks exchange what they found (one all-gather of short strings), so a truncated or
-corrupt file makes every rank raise the same one-line ``ValueError`` naming it, before any rank
-enters DeepSpeed's loading collectives; (3) DeepSpeed loads its files; (4) the SCAPE state read in (1)
-is loaded into the optimizer.
+Steps of :func:`load_checkpoint`: (1) every rank checks the manifest against the directory (every
+file there, with its size): a missing, truncated or extra file makes every rank raise the same
+one-line ``ValueError`` without any communication; (2) every rank hashes its share of the files,
+lists the objects in their pickles that ``weights_only`` loading would refuse, and reads its own SCAPE
+file; (3) the ranks exchange what they found (one all-gather of short strings), so an altered file
+or a file holding code makes every rank raise the same one-line ``ValueError`` naming it, before any
+rank enters DeepSpeed's loading collectives; (4) DeepSpeed loads its files through its checkpoint
+engine, whose ``load`` is :func:`safe_load` for the duration; (5) the SCAPE state read in (2) is loaded
+into the optimizer.
+
+Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`): tensors,
+numbers, strings, lists and dicts, plus the two DeepSpeed classes its ZeRO files hold
+(``SAFE_DEEPSPEED_GLOBALS``). A pickled callable is refused, never run.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import zipfile
+import pickle
 
 import torch
 import torch.distributed as dist
 
 from .engine import is_scape_stage3, scape_optimizer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag", "check_archive"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
+           "write_manifest", "check_manifest"]
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+# classes DeepSpeed pickles into its ZeRO optimizer files, allowed (as data, not code) when loading them
+SAFE_DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
+                          "deepspeed.runtime.fp16.loss_scaler.LossScaler")
 
 
 def _scape_file(tag_dir: str, opt) -> str:
@@ -72,6 +89,7 @@ def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None 
         _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
     if dist.is_initialized():
         dist.barrier()
+    write_manifest(tag_dir)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _atomic_write_text(os.path.join(save_dir, LATEST), tag)
     if dist.is_initialized():
@@ -105,15 +123,19 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
 
     Raises:
         ValueError: not a checkpoint, a missing rank file (saved with another data-parallel size),
-            a checkpoint of another optimizer, or a truncated or corrupt file (on every rank, naming
-            the file).
+            a checkpoint of another optimizer, a file missing from, added to, truncated or altered
+            against the tag's manifest, or a file holding objects other than plain data (on every
+            rank, one line naming the file).
     """
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
+    problems = check_manifest(tag_dir)  # the same answer on every rank, without communication
+    if problems:
+        _refuse(load_dir, problems)
     opt = scape_optimizer(engine)
     if is_scape_stage3(opt):
         opt = None  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
-    problems, scape_state = [], None
+    problems, scape_state = _check_contents(tag_dir), None
     if opt is not None:
         scape_path = _scape_file(tag_dir, opt)
         if not os.path.isfile(scape_path):
@@ -121,14 +143,13 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
                             "(saved by another optimizer or data-parallel size)")
         else:
             try:  # held until DeepSpeed has loaded its files: one rank's SCAPE state in memory twice at most
-                scape_state = torch.load(scape_path, map_location="cpu", weights_only=False)
-            except Exception as e:  # torch's zip reader and unpickler raise many types for a damaged file
-                problems.append(f"{scape_path} is corrupt or truncated ({_one_line(e)})")
-    problems += _check_deepspeed_files(tag_dir)
+                scape_state = safe_load(scape_path)
+            except ValueError as e:
+                problems.append(str(e))
     problems = _gather_problems(problems)
     if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ValueError(f"--load {load_dir}: " + "; ".join(problems[:3]) + more)
+        _refuse(load_dir, problems)
+    safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
                                                 load_lr_scheduler_states=True)
     if path is None:
@@ -138,39 +159,159 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     return tag, client_state or {}
 
 
+def _refuse(load_dir: str, problems: list[str]):
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    raise ValueError(f"--load {load_dir}: " + "; ".join(problems[:3]) + more)
+
+
+# ---------------------------------------------------------------- safe loading
+def _safe_globals() -> list:
+    """The classes of ``SAFE_DEEPSPEED_GLOBALS`` (those this DeepSpeed version has)."""
+    import importlib
+
+    found = []
+    for name in SAFE_DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            pass
+    return found
+
+
+def safe_load(path: str, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``, allowing only ``SAFE_DEEPSPEED_GLOBALS`` beyond torch's
+    own list; nothing in the file is executed.
+
+    Raises:
+        ValueError: one line naming ``path``: it holds objects weights_only loading refuses (a
+            pickled callable, say), or it is corrupt or truncated.
+    """
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = _unsafe_globals(path)
+        what = ", ".join(unsafe[:3]) if unsafe else _one_line(e)
+        raise ValueError(f"{path} holds objects that are not plain data ({what}): refused, not loaded") from None
+    except Exception as e:  # torch's zip reader raises many types for a damaged file
+        raise ValueError(f"{path} is corrupt or truncated ({_one_line(e)})") from None
+
+
+def _unsafe_globals(path: str) -> list[str]:
+    """The classes and functions named in ``path``'s pickle that weights_only loading refuses
+    (the pickle is scanned, not run; the tensors are not read)."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip archive, or damaged: judged by the loader
+        return []
+
+
+class _SafeLoading:
+    """DeepSpeed's checkpoint engine with :func:`safe_load` as its ``load``."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location=None):
+        return safe_load(path, map_location)
+
+
+def safe_loading(engine) -> None:
+    """Make ``engine``'s checkpoint engine read every file with :func:`safe_load` (``scape_ds.initialize``
+    does this for SCAPE engines; :func:`load_checkpoint` for any engine). Saving is unchanged."""
+    inner = getattr(engine, "checkpoint_engine", None)
+    if inner is not None and not isinstance(inner, _SafeLoading):
+        engine.checkpoint_engine = _SafeLoading(inner)
+
+
+# ---------------------------------------------------------------- manifest
+def _tag_files(tag_dir: str) -> list[str]:
+    """The files of a tag that the manifest covers (not itself, not temporary files)."""
+    return sorted(n for n in os.listdir(tag_dir) if n != MANIFEST and ".tmp." not in n
+                  and os.path.isfile(os.path.join(tag_dir, n)))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def write_manifest(tag_dir: str, collective: bool = True) -> None:
+    """Write ``tag_dir/manifest.json``: each file's size and sha256; call after every file is in place.
+    ``collective``: when torch.distributed is initialized every rank hashes its share and rank 0
+    writes; otherwise (or when False) this process hashes every file and writes."""
+    names = _tag_files(tag_dir)
+    rank, world = _rank_world() if collective else (0, 1)
+    mine = {n: dict(bytes=os.path.getsize(os.path.join(tag_dir, n)), sha256=_sha256(os.path.join(tag_dir, n)))
+            for n in names[rank::world]}
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        mine = {n: e for part in gathered for n, e in part.items()}
+    if rank == 0:
+        text = json.dumps(dict(version=1, files=dict(sorted(mine.items()))), indent=1) + "\n"
+        _atomic_write_text(os.path.join(tag_dir, MANIFEST), text)
+
+
+def _read_manifest(tag_dir: str) -> dict:
+    with open(os.path.join(tag_dir, MANIFEST), encoding="utf-8") as f:
+        return json.load(f)["files"]
+
+
+def check_manifest(tag_dir: str) -> list[str]:
+    """What is wrong with ``tag_dir`` against its manifest, by name and size (no hashing, no
+    communication): a missing manifest, a missing, extra or resized file. Empty if nothing is."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return [f"{tag_dir} has no {MANIFEST} (an incomplete save, or saved by an older scape_ds)"]
+    try:
+        files = _read_manifest(tag_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{path} is unreadable ({_one_line(e)})"]
+    problems = []
+    present = set(_tag_files(tag_dir))
+    for name, entry in files.items():
+        full = os.path.join(tag_dir, name)
+        if name not in present:
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != entry["bytes"]:
+            problems.append(f"{full} is truncated or altered ({os.path.getsize(full)} bytes, "
+                            f"the manifest says {entry['bytes']})")
+    problems += [f"{os.path.join(tag_dir, n)} is not in the manifest" for n in sorted(present - set(files))]
+    return problems
+
+
+def _check_contents(tag_dir: str) -> list[str]:
+    """This rank's share of the tag's files (file i on rank i mod world size): sha256 against the
+    manifest, and the pickle scanned for objects weights_only loading refuses."""
+    files = _read_manifest(tag_dir)
+    rank, world = _rank_world()
+    problems = []
+    for name in sorted(files)[rank::world]:
+        full = os.path.join(tag_dir, name)
+        if _sha256(full) != files[name]["sha256"]:
+            problems.append(f"{full} is altered (its sha256 differs from the manifest's)")
+        elif name.endswith(".pt") and _unsafe_globals(full):
+            problems.append(f"{full} holds objects that are not plain data "
+                            f"({', '.join(_unsafe_globals(full)[:3])}): refused, not loaded")
+    return problems
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or "no message"
     return f"{type(err).__name__}: {text[:200]}"
-
-
-def check_archive(path: str) -> str | None:
-    """What is wrong with ``path`` as a ``torch.save`` zip archive, or None if it looks complete.
-
-    Reads the archive's central directory (at the end of the file) and checks that every member
-    lies inside the file: a truncated copy fails, without reading the tensors. Files that are not
-    zip archives (torch's legacy format) are not judged.
-    """
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"PK\x03\x04":
-            return None
-        size = os.path.getsize(path)
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if info.header_offset + info.compress_size > size:
-                    return f"{path} is truncated ({info.filename} ends past the end of the file)"
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        return f"{path} is corrupt or truncated ({_one_line(e)})"
-    return None
-
-
-def _check_deepspeed_files(tag_dir: str) -> list[str]:
-    """Problems with DeepSpeed's ``*.pt`` files in ``tag_dir``; each rank checks its share."""
-    names = sorted(n for n in os.listdir(tag_dir) if n.endswith(".pt") and not n.startswith("scape_dp_rank_"))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    found = (check_archive(os.path.join(tag_dir, n)) for n in names[rank::world])
-    return [p for p in found if p is not None]
 
 
 def _gather_problems(problems: list[str]) -> list[str]:

@@ -173,6 +173,80 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert results == [("global_step3", 3, True)] * 2
 
 
+class _RunsCode:
+    """Unpickling this calls os.system: what a checkpoint from an untrusted source could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _worker_damaged_checkpoints(rank, world_size, tmp_path, ckpt):
+    """Save once, then load after each damage (done by rank 0 between barriers): every rank must
+    refuse with the same one-line ValueError naming the file; finally the repaired tag loads."""
+    _set_env(rank)
+    from scape_ds.checkpoint import load_checkpoint, save_checkpoint, write_manifest
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    _train(engine, train, 0, 2)
+    save_checkpoint(engine, ckpt, 2, dict(step=2))
+    tag = os.path.join(ckpt, "global_step2")
+    victims = dict(altered=os.path.join(tag, "scape_dp_rank_00001.pt"),
+                   code=os.path.join(tag, "mp_rank_00_model_states.pt"))
+    originals = {}
+    for name, path in victims.items():
+        with open(path, "rb") as f:
+            originals[name] = f.read()
+    marker = os.path.join(str(tmp_path), "code_ran")
+
+    def damage(name):
+        path = victims[name]
+        if name == "altered":  # one byte flipped, size unchanged: only the hash sees it
+            data = bytearray(originals[name])
+            data[len(data) // 2] ^= 0xFF
+            with open(path, "wb") as f:
+                f.write(bytes(data))
+        else:  # a model file with a pickled callable, and a manifest rewritten to match it
+            state = torch.load(path, weights_only=True)
+            state["payload"] = _RunsCode(marker)
+            torch.save(state, path)
+            write_manifest(tag, collective=False)  # rank 0 alone hashes every file
+
+    answers = {}
+    for name in victims:
+        if rank == 0:
+            damage(name)
+        dist.barrier()
+        try:
+            load_checkpoint(engine, ckpt)
+            answers[name] = "loaded"
+        except ValueError as e:
+            answers[name] = str(e)
+        dist.barrier()
+        if rank == 0:
+            with open(victims[name], "wb") as f:
+                f.write(originals[name])
+    if rank == 0:
+        write_manifest(tag, collective=False)
+    dist.barrier()
+    tag_name, client = load_checkpoint(engine, ckpt)
+    return answers, victims, os.path.exists(marker), (tag_name, client["step"])
+
+
+def test_altered_or_code_holding_files_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(_worker_damaged_checkpoints, 2, tmp_path, str(tmp_path / "ckpt"))
+    for answers, victims, code_ran, repaired in results:
+        assert not code_ran and repaired == ("global_step2", 2)
+        assert victims["altered"] in answers["altered"] and "altered" in answers["altered"], answers
+        assert victims["code"] in answers["code"] and "not plain data" in answers["code"], answers
+        assert "system" in answers["code"] and all("\n" not in a for a in answers.values()), answers
+    assert results[0][0] == results[1][0]  # the same line on every rank
+
+
 # ---------------------------------------------------------------- refused combinations
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(zero_optimization={"stage": 2}), "ZeRO stage 2"),
