@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .engine import is_scape_stage3, scape_optimizer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
+__all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
            "write_manifest", "check_manifest"]
 
 LATEST = "latest"
@@ -63,35 +63,71 @@ def _scape_file(tag_dir: str, opt) -> str:
 
 def _atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)  # a full disk: give back what the partial file took
+        raise
     os.replace(tmp, path)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     os.replace(tmp, path)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on this rank (disk full, a write error); ``latest`` is unchanged."""
+
+
 def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None = None) -> str:
-    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir."""
+    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir.
+
+    Raises:
+        CheckpointSaveError: a file could not be written on this rank (one line: the tag, the cause,
+            and the tag ``latest`` still names). The other ranks wait in the save's next collective
+            until the process group's timeout.
+    """
     tag = f"global_step{step}"
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
     tag_dir = os.path.join(save_dir, tag)
-    opt = scape_optimizer(engine)
-    if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
-        os.makedirs(tag_dir, exist_ok=True)
-        _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
-    if dist.is_initialized():
-        dist.barrier()
-    write_manifest(tag_dir)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    try:
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        opt = scape_optimizer(engine)
+        if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
+            os.makedirs(tag_dir, exist_ok=True)
+            _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
+        if dist.is_initialized():
+            dist.barrier()
+        write_manifest(tag_dir)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    except (OSError, RuntimeError) as e:  # torch.save's zip writer raises RuntimeError on a full disk
+        if isinstance(e, dist.DistError):
+            raise  # a lost peer, not a write error
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            previous = f"still names {read_latest_tag(save_dir)}"
+        except ValueError:
+            previous = "names no checkpoint yet"
+        raise CheckpointSaveError(f"rank {rank}: saving {tag} in {save_dir} failed ({_one_line(e)}); "
+                                  f"{os.path.join(save_dir, LATEST)} {previous}") from None
     if dist.is_initialized():
         dist.barrier()
     return tag_dir

@@ -401,7 +401,8 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
 
 
 def main(argv=None) -> int:
-    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input."""
+    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input, 1 (one line)
+    when a checkpoint could not be written."""
     args = build_parser().parse_args(argv)
     try:
         cfg = check_inputs(args)
@@ -410,11 +411,16 @@ def main(argv=None) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_distributed(args.dist_timeout)
+    from scape_ds.checkpoint import CheckpointSaveError
+
     try:
         train(args, cfg)
     except (ValueError, ImportError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointSaveError as e:  # a full disk: the run stops, the previous checkpoint stays
+        print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         import torch.distributed as dist
 

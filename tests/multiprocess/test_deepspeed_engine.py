@@ -247,6 +247,48 @@ def test_altered_or_code_holding_files_are_refused_on_every_rank(tmp_path):
     assert results[0][0] == results[1][0]  # the same line on every rank
 
 
+def _worker_disk_full(rank, world_size, tmp_path, ckpt):
+    _set_env(rank)
+    from scape_ds.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    _train(engine, train, 0, 2)
+    save_checkpoint(engine, ckpt, 2, dict(step=2))
+    saved = _params(engine)
+    free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
+    with open(os.path.join(ckpt, "filler"), "wb") as f:  # leave 64 KiB: less than one tag needs
+        f.write(b"\0" * (free - (64 << 10)))
+    _train(engine, train, 2, 4)
+    try:
+        save_checkpoint(engine, ckpt, 4, dict(step=4))
+        error = None
+    except CheckpointSaveError as e:
+        error = str(e)
+    leftovers = [n for n in os.listdir(os.path.join(ckpt, "global_step4")) if ".tmp." in n] \
+        if os.path.isdir(os.path.join(ckpt, "global_step4")) else []
+    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    tag, client = load_checkpoint(engine, ckpt)
+    return error, leftovers, tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_disk_full_during_save_is_one_line_and_keeps_previous(tmp_path):
+    import subprocess
+
+    ckpt = tmp_path / "small"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(ckpt)], check=True)
+    try:
+        ((error, leftovers, tag, step, same),) = run_ranks(_worker_disk_full, 1, tmp_path, str(ckpt))
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    assert error is not None and "saving global_step4" in error and "\n" not in error, error
+    assert "latest still names global_step2" in error, error
+    assert leftovers == [] and (tag, step, same) == ("global_step2", 2, True)
+
+
 # ---------------------------------------------------------------- refused combinations
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(zero_optimization={"stage": 2}), "ZeRO stage 2"),
