@@ -127,15 +127,27 @@ def test_resume_is_exact_at_sparsity_099(tmp_path):
 
 
 # ---------------------------------------------------------------- a save killed half way
-def _worker_killed_save(rank, world_size, tmp_path, ckpt):
+def _small_engine():
+    return _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+
+
+def _trained_and_saved(rank, ckpt, steps):
+    """A small SCAPE engine trained ``steps`` steps and saved as global_step<steps>; (engine, data)."""
     _set_env(rank)
     from scape_ds.checkpoint import save_checkpoint
     from scape_ds.data import build_datasets
 
     train, _ = build_datasets()
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
-    _train(engine, train, 0, 3)
-    save_checkpoint(engine, ckpt, 3, dict(step=3))
+    engine = _small_engine()
+    _train(engine, train, 0, steps)
+    save_checkpoint(engine, ckpt, steps, dict(step=steps))
+    return engine, train
+
+
+def _worker_killed_save(rank, world_size, tmp_path, ckpt):
+    from scape_ds.checkpoint import save_checkpoint
+
+    engine, train = _trained_and_saved(rank, ckpt, 3)
     torch.save(_params(engine), os.path.join(str(tmp_path), f"params_{rank}.pt"))
     _train(engine, train, 3, 5)
     real_save = torch.save
@@ -156,7 +168,7 @@ def _worker_load_after_kill(rank, world_size, tmp_path, ckpt, saved_dir):
     _set_env(rank)
     from scape_ds.checkpoint import load_checkpoint
 
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    engine = _small_engine()
     tag, client = load_checkpoint(engine, ckpt)
     saved = torch.load(os.path.join(saved_dir, f"params_{rank}.pt"))
     return tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
@@ -186,14 +198,9 @@ class _RunsCode:
 def _worker_damaged_checkpoints(rank, world_size, tmp_path, ckpt):
     """Save once, then load after each damage (done by rank 0 between barriers): every rank must
     refuse with the same one-line ValueError naming the file; finally the repaired tag loads."""
-    _set_env(rank)
-    from scape_ds.checkpoint import load_checkpoint, save_checkpoint, write_manifest
-    from scape_ds.data import build_datasets
+    from scape_ds.checkpoint import load_checkpoint, write_manifest
 
-    train, _ = build_datasets()
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
-    _train(engine, train, 0, 2)
-    save_checkpoint(engine, ckpt, 2, dict(step=2))
+    engine, _ = _trained_and_saved(rank, ckpt, 2)
     tag = os.path.join(ckpt, "global_step2")
     victims = dict(altered=os.path.join(tag, "scape_dp_rank_00001.pt"),
                    code=os.path.join(tag, "mp_rank_00_model_states.pt"))
@@ -248,14 +255,9 @@ def test_altered_or_code_holding_files_are_refused_on_every_rank(tmp_path):
 
 
 def _worker_disk_full(rank, world_size, tmp_path, ckpt):
-    _set_env(rank)
     from scape_ds.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
-    from scape_ds.data import build_datasets
 
-    train, _ = build_datasets()
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
-    _train(engine, train, 0, 2)
-    save_checkpoint(engine, ckpt, 2, dict(step=2))
+    engine, train = _trained_and_saved(rank, ckpt, 2)
     saved = _params(engine)
     free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
     with open(os.path.join(ckpt, "filler"), "wb") as f:  # leave 64 KiB: less than one tag needs
@@ -268,7 +270,7 @@ def _worker_disk_full(rank, world_size, tmp_path, ckpt):
         error = str(e)
     leftovers = [n for n in os.listdir(os.path.join(ckpt, "global_step4")) if ".tmp." in n] \
         if os.path.isdir(os.path.join(ckpt, "global_step4")) else []
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    engine = _small_engine()
     tag, client = load_checkpoint(engine, ckpt)
     return error, leftovers, tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
 
