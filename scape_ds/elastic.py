@@ -87,6 +87,8 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
     first = old[0]
     if any(len(sc["groups"]) != len(first["groups"]) for sc in old):
         raise ValueError("the old ranks disagree on the number of param groups")
+    if any(sc["step"] != first["step"] for sc in old):
+        raise ValueError(f"the old ranks were saved at different steps: {[sc['step'] for sc in old]}")
     cfg = parse_scape_config(first["config"])
     C = cfg.chunk_size if chunk_size is None else chunk_size
     groups = []
@@ -104,19 +106,19 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
         quantum = world_size * C
         padded = max(quantum, -(-numel // quantum) * quantum)
         shard = slice(rank * (padded // world_size), (rank + 1) * (padded // world_size))
-        master = torch.cat([p["master"] for p in per_rank])  # (N_pad,) the old flat master
+        master = torch.cat([p["master"] for p in per_rank])  # (D S,) fp32 the old flat master, a copy
         if saved["active_offsets"] is not None:  # settle the decay owed outside the old mask
             kept = offsets_to_index(saved["active_offsets"].cpu(), cfg.chunk_size, cfg.k_per_chunk)
             settle_decay(master, saved["decay_debt"], kept)
-        new["master"] = _repad(master, numel, padded)[shard].clone()
-        new["momentum"] = _repad(torch.cat([p["momentum"] for p in per_rank]), numel, padded)[shard].clone()
+        new["master"] = _repad(master, numel, padded)[shard].clone()  # (S',) fp32
+        new["momentum"] = _repad(torch.cat([p["momentum"] for p in per_rank]), numel, padded)[shard].clone()  # (S',)
         if saved["error"] is None:
             new["error"] = None
         elif rank == 0:
             total = sum_in_rank_order([p["error"][:numel] for p in per_rank])
-            new["error"] = _repad(total.to(saved["error"].dtype), numel, padded)
+            new["error"] = _repad(total.to(saved["error"].dtype), numel, padded)  # (D' S',)
         else:
-            new["error"] = torch.zeros(padded, dtype=saved["error"].dtype)
+            new["error"] = torch.zeros(padded, dtype=saved["error"].dtype)  # (D' S',)
         new["padded_numel"] = padded
         groups.append(new)
     scape = dict(first, rank=rank, world_size=world_size, groups=groups, refresh_next=True,

@@ -159,6 +159,9 @@ def test_bad_input_is_one_line():
         reshard_scape_state(states, 2, 2)
     with pytest.raises(ValueError, match="says it is rank 1 of 2"):
         reshard_scape_state(states[1:], 0, 2)
+    states[1]["scape"]["step"] += 1
+    with pytest.raises(ValueError, match=r"saved at different steps: \[1, 2\]"):
+        reshard_scape_state(states, 0, 3)
 
 
 def _write_checkpoint(tmp_path, states) -> str:
