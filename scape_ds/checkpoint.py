@@ -121,7 +121,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     opt = scape_optimizer(engine)
     problems, scape_state = [], None
     if is_scape_stage3(opt):  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
-        problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
+        if opt.comm.rank == 0:  # one report, not one per rank
+            problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
         opt = None
     saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
     if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
