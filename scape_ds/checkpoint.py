@@ -20,7 +20,11 @@ each of DeepSpeed's archives in the tag directory it is given (file i to rank i 
 complete; (2) the ranks exchange what they found (one all-gather of short strings), so a truncated or
 corrupt file makes every rank raise the same one-line ``ValueError`` naming it, before any rank
 enters DeepSpeed's loading collectives; (3) DeepSpeed loads its files; (4) the SCAPE state read in (1)
-is loaded into the optimizer.
+is loaded into the optimizer. A stage 0/1 checkpoint saved on another data-parallel size is
+re-sharded in (1) (:mod:`scape_ds.elastic`: every rank reads every old rank's file).
+
+Offline, ``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]`` writes the checkpoint
+re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`).
 """
 from __future__ import annotations
 
@@ -104,12 +108,12 @@ def read_latest_tag(load_dir: str) -> str:
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
 
-    Returns:
-        ``(tag, client_state)``.
-
     A stage 0/1 checkpoint saved on another number of data-parallel ranks is re-sharded in memory
     (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file) and the first step after
     it is a dense refresh.
+
+    Returns:
+        ``(tag, client_state)``.
 
     Raises:
         ValueError: not a checkpoint, a missing rank file, a checkpoint of another optimizer, a
@@ -232,7 +236,10 @@ def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = Non
     os.makedirs(new_dir, exist_ok=True)
     for n in names:
         src = os.path.join(tag_dir, n)
-        (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(new_dir, n))
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(new_dir, n), dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, os.path.join(new_dir, n))
     for r, state in enumerate(states):
         _atomic_torch_save(state, os.path.join(new_dir, f"scape_dp_rank_{r:05d}.pt"))
     _atomic_write_text(os.path.join(out_dir, LATEST), new_tag)
