@@ -25,27 +25,35 @@ lists the objects in their pickles that ``weights_only`` loading would refuse, a
 file; (3) the ranks exchange what they found (one all-gather of short strings), so an altered file
 or a file holding code makes every rank raise the same one-line ``ValueError`` naming it, before any
 rank enters DeepSpeed's loading collectives; (4) DeepSpeed loads its files through its checkpoint
-engine, whose ``load`` is :func:`safe_load` for the duration; (5) the SCAPE state read in (2) is loaded
-into the optimizer.
+engine, whose ``load`` is :func:`safe_load`; (5) the SCAPE state read in (2) is loaded into the
+optimizer. A stage 0/1 checkpoint saved on another data-parallel size is re-sharded in (2)
+(:mod:`scape_ds.elastic`: every rank reads every old rank's file).
 
 Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`): tensors,
 numbers, strings, lists and dicts, plus the two DeepSpeed classes its ZeRO files hold
 (``SAFE_DEEPSPEED_GLOBALS``). A pickled callable is refused, never run.
+
+Offline, ``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]`` writes the checkpoint
+re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`).
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import pickle
+import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 
+from .elastic import check_zero3_dp_size, load_resharded_state, read_scape_states, reshard_scape_states, saved_dp_size
 from .engine import is_scape_stage3, scape_optimizer
 
 __all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
-           "write_manifest", "check_manifest"]
+           "write_manifest", "check_manifest", "convert_checkpoint"]
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -154,14 +162,18 @@ def read_latest_tag(load_dir: str) -> str:
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
 
+    A stage 0/1 checkpoint saved on another number of data-parallel ranks is re-sharded in memory
+    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file) and the first step after
+    it is a dense refresh.
+
     Returns:
         ``(tag, client_state)``.
 
     Raises:
-        ValueError: not a checkpoint, a missing rank file (saved with another data-parallel size),
-            a checkpoint of another optimizer, a file missing from, added to, truncated or altered
-            against the tag's manifest, or a file holding objects other than plain data (on every
-            rank, one line naming the file).
+        ValueError: not a checkpoint, a missing rank file, a checkpoint of another optimizer, a file
+            missing from, added to, truncated or altered against the tag's manifest, a file holding
+            objects other than plain data (on every rank, one line naming the file), or another
+            data-parallel size under ZeRO-3 or with tensor/pipeline parallelism (not supported).
     """
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
@@ -169,10 +181,18 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if problems:
         _refuse(load_dir, problems)
     opt = scape_optimizer(engine)
-    if is_scape_stage3(opt):
-        opt = None  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
     problems, scape_state = _check_contents(tag_dir), None
-    if opt is not None:
+    if is_scape_stage3(opt):  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
+        if opt.comm.rank == 0:  # one report, not one per rank
+            problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
+        opt = None
+    saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
+    if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
+        try:
+            scape_state = load_resharded_state(tag_dir, opt.comm.rank, opt.comm.world_size, opt.cfg.chunk_size)
+        except ValueError as e:
+            problems.append(str(e))
+    elif opt is not None:
         scape_path = _scape_file(tag_dir, opt)
         if not os.path.isfile(scape_path):
             problems.append(f"{tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "
@@ -345,6 +365,14 @@ def _check_contents(tag_dir: str) -> list[str]:
     return problems
 
 
+def _saved_dp_size(tag_dir: str, problems: list[str]) -> int | None:
+    try:
+        return saved_dp_size(tag_dir)
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or "no message"
     return f"{type(err).__name__}: {text[:200]}"
@@ -358,3 +386,68 @@ def _gather_problems(problems: list[str]) -> list[str]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)  # pickled; placed on the current device by torch
     return [p for rank_problems in gathered for p in rank_problems]
+
+
+def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = None) -> str:
+    """Write the checkpoint ``latest`` names, re-sharded for ``world_size`` data-parallel ranks, as tag
+    ``<tag>_dp<world_size>`` in ``out_dir`` (default ``load_dir``), whose ``latest`` then names it.
+
+    DeepSpeed's files are copied as they are (path A's model and scheduler state do not depend on
+    the data-parallel size); the SCAPE files are re-sharded by :mod:`scape_ds.elastic`. Loading the
+    result on ``world_size`` ranks is the same as loading the original there. Returns the new tag dir.
+
+    Raises:
+        ValueError: a bad ``world_size``, not a checkpoint, a file that fails the manifest check
+            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 or tensor/pipeline-parallel
+            checkpoint (not supported).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--to-dp must be an integer >= 1, got {world_size!r}")
+    tag = read_latest_tag(load_dir)
+    tag_dir = os.path.join(load_dir, tag)
+    problems = check_manifest(tag_dir)
+    problems = problems or _check_contents(tag_dir)  # one process here: it checks every file
+    if problems:
+        _refuse(load_dir, problems)
+    out_dir = out_dir or load_dir
+    new_tag = f"{tag}_dp{world_size}"
+    new_dir = os.path.join(out_dir, new_tag)
+    names = [n for n in sorted(os.listdir(tag_dir))
+             if not n.startswith("scape_dp_rank_") and ".tmp." not in n and n != MANIFEST]
+    # re-shard first: a refused checkpoint leaves nothing behind
+    states = reshard_scape_states(read_scape_states(tag_dir), world_size)
+    os.makedirs(new_dir, exist_ok=True)
+    for n in names:
+        src = os.path.join(tag_dir, n)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(new_dir, n), dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, os.path.join(new_dir, n))
+    for r, state in enumerate(states):
+        _atomic_torch_save(state, os.path.join(new_dir, f"scape_dp_rank_{r:05d}.pt"))
+    write_manifest(new_dir, collective=False)
+    _atomic_write_text(os.path.join(out_dir, LATEST), new_tag)
+    return new_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]``; errors: one line, exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m scape_ds.checkpoint",
+                                     description="Offline tools for scape_ds checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size")
+    conv.add_argument("dir", help="checkpoint directory (the one holding 'latest')")
+    conv.add_argument("--to-dp", type=int, required=True, help="the new data-parallel size")
+    conv.add_argument("--out", default=None, help="where to write the converted tag (default: dir)")
+    args = parser.parse_args(argv)
+    try:
+        new_dir = convert_checkpoint(args.dir, args.to_dp, args.out)
+    except ValueError as e:
+        print(f"scape_ds.checkpoint convert: {e}", file=sys.stderr)
+        return 2
+    print(new_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

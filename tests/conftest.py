@@ -59,6 +59,8 @@ SLOW_TESTS = {
     "multiprocess/test_zero3.py::test_exact_resume_under_zero3",
     "multiprocess/test_zero3.py::test_bf16_under_zero3",
     "multiprocess/test_zero3.py::test_installed_under_deepspeeds_own_optimizer",
+    # 4 -> 2 -> 4 ranks, three DeepSpeed engines a phase and a ZeRO-3 one: 50-71 s measured at load 4-6
+    "multiprocess/test_elastic.py::test_elastic_resume_4_to_2_to_4",
 }
 
 
