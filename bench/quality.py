@@ -387,8 +387,9 @@ class _Hook:
 
 
 def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at: int | None) -> None:
-    import torch
     import torch.distributed as dist
+
+    from scape_ds.checkpoint import safe_load
 
     rid = run_id(name, opts)
     cfg_path, metrics = os.path.join(out_dir, f"{rid}.ds_config.json"), os.path.join(out_dir, f"{rid}.jsonl")
@@ -416,7 +417,7 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
     cfg = pretrain.check_inputs(args)
     diag = Diagnostics(initial_params(opts), opts["diag_window"], rank)
     if start and rank == 0:
-        diag.load_state_dict(torch.load(os.path.join(ckpt, f"global_step{start}", CKPT_STATE), weights_only=False))
+        diag.load_state_dict(safe_load(os.path.join(ckpt, f"global_step{start}", CKPT_STATE)))
     if rank == 0:
         print(f"=== {rid}: {RUNS[name][0]}" + (f" (resumed at step {start})" if start else ""), flush=True)
     hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter())

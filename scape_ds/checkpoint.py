@@ -1,6 +1,6 @@
-"""Atomic checkpoints of a DeepSpeed engine with every rank's SCAPE state.
+"""Atomic, verified checkpoints of a DeepSpeed engine with every rank's SCAPE state.
 
-Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
+Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank and a manifest)::
 
     latest                           the tag of the newest complete checkpoint, written last
     global_step<N>/                  DeepSpeed's model, scheduler and client state files
@@ -8,33 +8,59 @@ Layout of ``save_dir`` (DeepSpeed's, plus one file per data-parallel rank)::
                                      error feedback, masks, step counters (with tensor or pipeline
                                      parallelism several ranks share a data-parallel rank:
                                      scape_dp_rank_<r>_global_rank_<g>.pt)
+    global_step<N>/manifest.json     every other file of the tag: name, size in bytes, sha256
 
 Steps of :func:`save_checkpoint`: (1) DeepSpeed writes its files into the tag directory without
 touching ``latest``; (2) every rank writes its SCAPE state to a temporary file and renames it into
-place; (3) a barrier; (4) rank 0 writes ``latest`` by rename. A run killed anywhere before (4)
+place; (3) a barrier; (4) the ranks hash the tag's files (file i on rank i mod world size) and rank 0
+writes the manifest; (5) rank 0 writes ``latest`` by rename. A run killed anywhere before (5)
 leaves ``latest`` naming the previous complete checkpoint, which is what :func:`load_checkpoint`
 loads. DeepSpeed's old 1-bit Adam dropped its error feedback on load; here it is part of the state.
+The tag directory is assumed to be on storage every rank sees (as DeepSpeed's own loading assumes).
 
-Steps of :func:`load_checkpoint`: (1) every rank reads its own SCAPE file in full and checks that
-each of DeepSpeed's archives in the tag directory it is given (file i to rank i mod world size) is
-complete; (2) the ranks exchange what they found (one all-gather of short strings), so a truncated or
-corrupt file makes every rank raise the same one-line ``ValueError`` naming it, before any rank
-enters DeepSpeed's loading collectives; (3) DeepSpeed loads its files; (4) the SCAPE state read in (1)
-is loaded into the optimizer.
+Steps of :func:`load_checkpoint`: (1) every rank checks the manifest against the directory (every
+file there, with its size): a missing, truncated or extra file makes every rank raise the same
+one-line ``ValueError`` without any communication; (2) every rank hashes its share of the files,
+lists the objects in their pickles that ``weights_only`` loading would refuse, and reads its own SCAPE
+file; (3) the ranks exchange what they found (one all-gather of short strings), so an altered file
+or a file holding code makes every rank raise the same one-line ``ValueError`` naming it, before any
+rank enters DeepSpeed's loading collectives; (4) DeepSpeed loads its files through its checkpoint
+engine, whose ``load`` is :func:`safe_load`; (5) the SCAPE state read in (2) is loaded into the
+optimizer. A stage 0/1 checkpoint saved on another data-parallel size is re-sharded in (2)
+(:mod:`scape_ds.elastic`: every rank reads every old rank's file).
+
+Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`): tensors,
+numbers, strings, lists and dicts, plus the two DeepSpeed classes its ZeRO files hold
+(``SAFE_DEEPSPEED_GLOBALS``). A pickled callable is refused, never run.
+
+Offline, ``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]`` writes the checkpoint
+re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`).
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
-import zipfile
+import pickle
+import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 
+from .elastic import check_zero3_dp_size, load_resharded_state, read_scape_states, reshard_scape_states, saved_dp_size
 from .engine import is_scape_stage3, scape_optimizer
+from .faults import is_peer_lost
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_latest_tag", "check_archive"]
+__all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
+           "write_manifest", "check_manifest", "convert_checkpoint"]
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+# classes DeepSpeed pickles into its ZeRO optimizer files, allowed (as data, not code) when loading them
+SAFE_DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
+                          "deepspeed.runtime.fp16.loss_scaler.LossScaler")
 
 
 def _scape_file(tag_dir: str, opt) -> str:
@@ -46,34 +72,71 @@ def _scape_file(tag_dir: str, opt) -> str:
 
 def _atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)  # a full disk: give back what the partial file took
+        raise
     os.replace(tmp, path)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     os.replace(tmp, path)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on this rank (disk full, a write error); ``latest`` is unchanged."""
+
+
 def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None = None) -> str:
-    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir."""
+    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir.
+
+    Raises:
+        CheckpointSaveError: a file could not be written on this rank (one line: the tag, the cause,
+            and the tag ``latest`` still names). The other ranks wait in the save's next collective
+            until the process group's timeout.
+    """
     tag = f"global_step{step}"
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
     tag_dir = os.path.join(save_dir, tag)
-    opt = scape_optimizer(engine)
-    if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
-        os.makedirs(tag_dir, exist_ok=True)
-        _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
-    if dist.is_initialized():
-        dist.barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    try:
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        opt = scape_optimizer(engine)
+        if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
+            os.makedirs(tag_dir, exist_ok=True)
+            _atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))
+        if dist.is_initialized():
+            dist.barrier()
+        write_manifest(tag_dir)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    except (OSError, RuntimeError) as e:  # torch.save's zip writer raises RuntimeError on a full disk
+        if is_peer_lost(e):  # gloo's timeouts are plain RuntimeErrors: scape_ds.faults reports them
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            previous = f"still names {read_latest_tag(save_dir)}"
+        except ValueError:
+            previous = "names no checkpoint yet"
+        raise CheckpointSaveError(f"rank {rank}: saving {tag} in {save_dir} failed ({_one_line(e)}); "
+                                  f"{os.path.join(save_dir, LATEST)} {previous}") from None
     if dist.is_initialized():
         dist.barrier()
     return tag_dir
@@ -100,35 +163,50 @@ def read_latest_tag(load_dir: str) -> str:
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
 
+    A stage 0/1 checkpoint saved on another number of data-parallel ranks is re-sharded in memory
+    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file) and the first step after
+    it is a dense refresh.
+
     Returns:
         ``(tag, client_state)``.
 
     Raises:
-        ValueError: not a checkpoint, a missing rank file (saved with another data-parallel size),
-            a checkpoint of another optimizer, or a truncated or corrupt file (on every rank, naming
-            the file).
+        ValueError: not a checkpoint, a missing rank file, a checkpoint of another optimizer, a file
+            missing from, added to, truncated or altered against the tag's manifest, a file holding
+            objects other than plain data (on every rank, one line naming the file), or another
+            data-parallel size under ZeRO-3 or with tensor/pipeline parallelism (not supported).
     """
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
+    problems = check_manifest(tag_dir)  # the same answer on every rank, without communication
+    if problems:
+        _refuse(load_dir, problems)
     opt = scape_optimizer(engine)
-    if is_scape_stage3(opt):
-        opt = None  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
-    problems, scape_state = [], None
-    if opt is not None:
+    problems, scape_state = _check_contents(tag_dir), None
+    if is_scape_stage3(opt):  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
+        if opt.comm.rank == 0:  # one report, not one per rank
+            problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
+        opt = None
+    saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
+    if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
+        try:
+            scape_state = load_resharded_state(tag_dir, opt.comm.rank, opt.comm.world_size, opt.cfg.chunk_size)
+        except ValueError as e:
+            problems.append(str(e))
+    elif opt is not None:
         scape_path = _scape_file(tag_dir, opt)
         if not os.path.isfile(scape_path):
             problems.append(f"{tag} has no SCAPE state for data-parallel rank {opt.comm.rank} "
                             "(saved by another optimizer or data-parallel size)")
         else:
             try:  # held until DeepSpeed has loaded its files: one rank's SCAPE state in memory twice at most
-                scape_state = torch.load(scape_path, map_location="cpu", weights_only=False)
-            except Exception as e:  # torch's zip reader and unpickler raise many types for a damaged file
-                problems.append(f"{scape_path} is corrupt or truncated ({_one_line(e)})")
-    problems += _check_deepspeed_files(tag_dir)
+                scape_state = safe_load(scape_path)
+            except ValueError as e:
+                problems.append(str(e))
     problems = _gather_problems(problems)
     if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ValueError(f"--load {load_dir}: " + "; ".join(problems[:3]) + more)
+        _refuse(load_dir, problems)
+    safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
                                                 load_lr_scheduler_states=True)
     if path is None:
@@ -138,39 +216,167 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     return tag, client_state or {}
 
 
+def _refuse(load_dir: str, problems: list[str]):
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    raise ValueError(f"--load {load_dir}: " + "; ".join(problems[:3]) + more)
+
+
+# ---------------------------------------------------------------- safe loading
+def _safe_globals() -> list:
+    """The classes of ``SAFE_DEEPSPEED_GLOBALS`` (those this DeepSpeed version has)."""
+    import importlib
+
+    found = []
+    for name in SAFE_DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            pass
+    return found
+
+
+def safe_load(path: str, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``, allowing only ``SAFE_DEEPSPEED_GLOBALS`` beyond torch's
+    own list; nothing in the file is executed.
+
+    Raises:
+        ValueError: one line naming ``path``: it holds objects weights_only loading refuses (a
+            pickled callable, say), or it is corrupt or truncated.
+    """
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = _unsafe_globals(path)
+        what = ", ".join(unsafe[:3]) if unsafe else _one_line(e)
+        raise ValueError(f"{path} holds objects that are not plain data ({what}): refused, not loaded") from None
+    except Exception as e:  # torch's zip reader raises many types for a damaged file
+        raise ValueError(f"{path} is corrupt or truncated ({_one_line(e)})") from None
+
+
+def _unsafe_globals(path: str) -> list[str]:
+    """The classes and functions named in ``path``'s pickle that weights_only loading refuses
+    (the pickle is scanned, not run; the tensors are not read)."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip archive, or damaged: judged by the loader
+        return []
+
+
+class _SafeLoading:
+    """DeepSpeed's checkpoint engine with :func:`safe_load` as its ``load``."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location=None):
+        return safe_load(path, map_location)
+
+
+def safe_loading(engine) -> None:
+    """Make ``engine``'s checkpoint engine read every file with :func:`safe_load` (``scape_ds.initialize``
+    does this for SCAPE engines; :func:`load_checkpoint` for any engine). Saving is unchanged."""
+    inner = getattr(engine, "checkpoint_engine", None)
+    if inner is not None and not isinstance(inner, _SafeLoading):
+        engine.checkpoint_engine = _SafeLoading(inner)
+
+
+# ---------------------------------------------------------------- manifest
+def _tag_files(tag_dir: str) -> list[str]:
+    """The files of a tag that the manifest covers (not itself, not temporary files)."""
+    return sorted(n for n in os.listdir(tag_dir) if n != MANIFEST and ".tmp." not in n
+                  and os.path.isfile(os.path.join(tag_dir, n)))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def write_manifest(tag_dir: str, collective: bool = True) -> None:
+    """Write ``tag_dir/manifest.json``: each file's size and sha256; call after every file is in place.
+    ``collective``: when torch.distributed is initialized every rank hashes its share and rank 0
+    writes; otherwise (or when False) this process hashes every file and writes."""
+    names = _tag_files(tag_dir)
+    rank, world = _rank_world() if collective else (0, 1)
+    mine = {n: dict(bytes=os.path.getsize(os.path.join(tag_dir, n)), sha256=_sha256(os.path.join(tag_dir, n)))
+            for n in names[rank::world]}
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        mine = {n: e for part in gathered for n, e in part.items()}
+    if rank == 0:
+        text = json.dumps(dict(version=1, files=dict(sorted(mine.items()))), indent=1) + "\n"
+        _atomic_write_text(os.path.join(tag_dir, MANIFEST), text)
+
+
+def _read_manifest(tag_dir: str) -> dict:
+    with open(os.path.join(tag_dir, MANIFEST), encoding="utf-8") as f:
+        return json.load(f)["files"]
+
+
+def check_manifest(tag_dir: str) -> list[str]:
+    """What is wrong with ``tag_dir`` against its manifest, by name and size (no hashing, no
+    communication): a missing manifest, a missing, extra or resized file. Empty if nothing is."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return [f"{tag_dir} has no {MANIFEST} (an incomplete save, or saved by an older scape_ds)"]
+    try:
+        files = _read_manifest(tag_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{path} is unreadable ({_one_line(e)})"]
+    problems = []
+    present = set(_tag_files(tag_dir))
+    for name, entry in files.items():
+        full = os.path.join(tag_dir, name)
+        if name not in present:
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != entry["bytes"]:
+            problems.append(f"{full} is truncated or altered ({os.path.getsize(full)} bytes, "
+                            f"the manifest says {entry['bytes']})")
+    problems += [f"{os.path.join(tag_dir, n)} is not in the manifest" for n in sorted(present - set(files))]
+    return problems
+
+
+def _check_contents(tag_dir: str) -> list[str]:
+    """This rank's share of the tag's files (file i on rank i mod world size): sha256 against the
+    manifest, and the pickle scanned for objects weights_only loading refuses."""
+    files = _read_manifest(tag_dir)
+    rank, world = _rank_world()
+    problems = []
+    for name in sorted(files)[rank::world]:
+        full = os.path.join(tag_dir, name)
+        if _sha256(full) != files[name]["sha256"]:
+            problems.append(f"{full} is altered (its sha256 differs from the manifest's)")
+        elif name.endswith(".pt") and _unsafe_globals(full):
+            problems.append(f"{full} holds objects that are not plain data "
+                            f"({', '.join(_unsafe_globals(full)[:3])}): refused, not loaded")
+    return problems
+
+
+def _saved_dp_size(tag_dir: str, problems: list[str]) -> int | None:
+    try:
+        return saved_dp_size(tag_dir)
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or "no message"
     return f"{type(err).__name__}: {text[:200]}"
-
-
-def check_archive(path: str) -> str | None:
-    """What is wrong with ``path`` as a ``torch.save`` zip archive, or None if it looks complete.
-
-    Reads the archive's central directory (at the end of the file) and checks that every member
-    lies inside the file: a truncated copy fails, without reading the tensors. Files that are not
-    zip archives (torch's legacy format) are not judged.
-    """
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"PK\x03\x04":
-            return None
-        size = os.path.getsize(path)
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if info.header_offset + info.compress_size > size:
-                    return f"{path} is truncated ({info.filename} ends past the end of the file)"
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        return f"{path} is corrupt or truncated ({_one_line(e)})"
-    return None
-
-
-def _check_deepspeed_files(tag_dir: str) -> list[str]:
-    """Problems with DeepSpeed's ``*.pt`` files in ``tag_dir``; each rank checks its share."""
-    names = sorted(n for n in os.listdir(tag_dir) if n.endswith(".pt") and not n.startswith("scape_dp_rank_"))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    found = (check_archive(os.path.join(tag_dir, n)) for n in names[rank::world])
-    return [p for p in found if p is not None]
 
 
 def _gather_problems(problems: list[str]) -> list[str]:
@@ -181,3 +387,68 @@ def _gather_problems(problems: list[str]) -> list[str]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)  # pickled; placed on the current device by torch
     return [p for rank_problems in gathered for p in rank_problems]
+
+
+def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = None) -> str:
+    """Write the checkpoint ``latest`` names, re-sharded for ``world_size`` data-parallel ranks, as tag
+    ``<tag>_dp<world_size>`` in ``out_dir`` (default ``load_dir``), whose ``latest`` then names it.
+
+    DeepSpeed's files are copied as they are (path A's model and scheduler state do not depend on
+    the data-parallel size); the SCAPE files are re-sharded by :mod:`scape_ds.elastic`. Loading the
+    result on ``world_size`` ranks is the same as loading the original there. Returns the new tag dir.
+
+    Raises:
+        ValueError: a bad ``world_size``, not a checkpoint, a file that fails the manifest check
+            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 or tensor/pipeline-parallel
+            checkpoint (not supported).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--to-dp must be an integer >= 1, got {world_size!r}")
+    tag = read_latest_tag(load_dir)
+    tag_dir = os.path.join(load_dir, tag)
+    problems = check_manifest(tag_dir)
+    problems = problems or _check_contents(tag_dir)  # one process here: it checks every file
+    if problems:
+        _refuse(load_dir, problems)
+    out_dir = out_dir or load_dir
+    new_tag = f"{tag}_dp{world_size}"
+    new_dir = os.path.join(out_dir, new_tag)
+    names = [n for n in sorted(os.listdir(tag_dir))
+             if not n.startswith("scape_dp_rank_") and ".tmp." not in n and n != MANIFEST]
+    # re-shard first: a refused checkpoint leaves nothing behind
+    states = reshard_scape_states(read_scape_states(tag_dir), world_size)
+    os.makedirs(new_dir, exist_ok=True)
+    for n in names:
+        src = os.path.join(tag_dir, n)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(new_dir, n), dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, os.path.join(new_dir, n))
+    for r, state in enumerate(states):
+        _atomic_torch_save(state, os.path.join(new_dir, f"scape_dp_rank_{r:05d}.pt"))
+    write_manifest(new_dir, collective=False)
+    _atomic_write_text(os.path.join(out_dir, LATEST), new_tag)
+    return new_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]``; errors: one line, exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m scape_ds.checkpoint",
+                                     description="Offline tools for scape_ds checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size")
+    conv.add_argument("dir", help="checkpoint directory (the one holding 'latest')")
+    conv.add_argument("--to-dp", type=int, required=True, help="the new data-parallel size")
+    conv.add_argument("--out", default=None, help="where to write the converted tag (default: dir)")
+    args = parser.parse_args(argv)
+    try:
+        new_dir = convert_checkpoint(args.dir, args.to_dp, args.out)
+    except ValueError as e:
+        print(f"scape_ds.checkpoint convert: {e}", file=sys.stderr)
+        return 2
+    print(new_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

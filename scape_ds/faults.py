@@ -42,7 +42,7 @@ __all__ = ["PeerWatch", "is_peer_lost", "bound_group_timeouts", "probe_peers",
 
 # gloo's and c10d's messages for a peer that stopped answering or went away (gloo/transport/tcp)
 _LOST = re.compile(r"timed out waiting|socket timeout|connection (reset|closed|refused|timed out)|broken pipe|"
-                   r"read error|write error|no route to host|network is unreachable|connectfullmesh|socket closed",
+                   r"(read|write) error \[|no route to host|network is unreachable|connectfullmesh|socket closed",
                    re.IGNORECASE)
 _WAITED_MS = re.compile(r"waiting (\d+)\s*ms", re.IGNORECASE)
 _KEY = "scape_lost_peer/{}"

@@ -415,8 +415,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
 
 
 def main(argv=None) -> int:
-    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input; a rank whose peer
-    stopped answering prints one line (:mod:`scape_ds.faults`) and ends the process with exit code 3."""
+    """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input, 1 (one line)
+    when a checkpoint could not be written; a rank whose peer stopped answering prints one line
+    (:mod:`scape_ds.faults`) and ends the process with exit code 3."""
     args = build_parser().parse_args(argv)
     try:
         cfg = check_inputs(args)
@@ -427,12 +428,17 @@ def main(argv=None) -> int:
     from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
 
     init_distributed(args.dist_timeout)
+    from scape_ds.checkpoint import CheckpointSaveError
+
     watch = PeerWatch()
     try:
         train(args, cfg, watch=watch)
     except (ValueError, ImportError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointSaveError as e:  # a full disk: the run stops, the previous checkpoint stays
+        print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as e:
         if not is_peer_lost(e):
             raise

@@ -39,9 +39,6 @@ SLOW_TESTS = {
     "multiprocess/test_scape_engine.py::test_density_one_reproduces_dense_adams[4-dtype2]",
     "multiprocess/test_scape_engine.py::test_error_feedback_loses_nothing[4]",
     "multiprocess/test_scape_engine.py::test_replicas_bitwise_equal_and_mask_delayed[scape-True-4]",
-    "multiprocess/test_scape_engine.py::test_replicas_bitwise_equal_and_mask_delayed[scape-False-4]",
-    "multiprocess/test_scape_engine.py::test_replicas_bitwise_equal_and_mask_delayed[topk-True-4]",
-    "multiprocess/test_scape_engine.py::test_replicas_bitwise_equal_and_mask_delayed[randk-True-4]",
     "multiprocess/test_scape_engine.py::test_byte_meter_counts_exactly[4]",
     "multiprocess/test_deepspeed_engine.py::test_resume_is_exact_at_sparsity_099",
     "multiprocess/test_deepspeed_engine.py::test_killed_save_leaves_previous_checkpoint_loadable",
@@ -59,6 +56,8 @@ SLOW_TESTS = {
     "multiprocess/test_zero3.py::test_exact_resume_under_zero3",
     "multiprocess/test_zero3.py::test_bf16_under_zero3",
     "multiprocess/test_zero3.py::test_installed_under_deepspeeds_own_optimizer",
+    # 4 -> 2 -> 4 ranks, three DeepSpeed engines a phase and a ZeRO-3 one: 50-71 s measured at load 4-6
+    "multiprocess/test_elastic.py::test_elastic_resume_4_to_2_to_4",
     # root: a link cut mid-run (10 s timeout, then a resumed run) and a link slowed to 1 Mbit/s (two 18-step
     # runs): 34-55 s and 19-40 s measured at load 3.5-9
     "cluster/test_faults.py::test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_resumes",

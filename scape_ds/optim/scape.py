@@ -122,6 +122,7 @@ class ScapeAdamS(Optimizer):
         self._groups: list[_GroupState] | None = None
         self._step = 0
         self._kernels = None
+        self._refresh_next = False  # the next step is a dense refresh (no mask: after an elastic load)
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
@@ -189,13 +190,15 @@ class ScapeAdamS(Optimizer):
         self._lazy_init()
         self._step += 1
         t = self._step
-        dense_step = self.schedule.is_dense(t)
+        forced, self._refresh_next = self._refresh_next, False
+        dense_step = forced or self.schedule.is_dense(t)
+        refresh = forced or self.schedule.is_refresh(t)
         meter = self.comm.meter
         reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
         scale = self._clip_coefficient(reduced)
         for group, gs, (sparse_g, dense_g) in zip(self.param_groups, self._groups, reduced):
             self._update_group(group, gs, sparse_g, dense_g, scale, dense_step)
-            if self.schedule.is_refresh(t) and gs.flat_param is not None and self.cfg.compressor != "dense":
+            if refresh and gs.flat_param is not None and self.cfg.compressor != "dense":
                 self._select_next_mask(gs, sparse_g if dense_step else None)
             meter.record_dense(self._dense_bytes(gs))
         stats = step_comm_stats(meter, t, dense_step)
@@ -466,11 +469,13 @@ class ScapeAdamS(Optimizer):
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return dict(param_groups=param_groups, scape=dict(
             step=self._step, rank=self.comm.rank, world_size=self.comm.world_size,
-            config=self.cfg.model_dump(), groups=groups,
+            config=self.cfg.model_dump(), groups=groups, refresh_next=self._refresh_next,
         ))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size.
+        """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size,
+        or one re-sharded for this rank by :mod:`scape_ds.elastic` (then the parameters are rebuilt
+        from the loaded master shards, one all-gather, and the next step is a dense refresh).
 
         Raises:
             ValueError: saved with another world size, rank or parameter layout.
@@ -499,7 +504,15 @@ class ScapeAdamS(Optimizer):
                 gs.active_offsets = gs.active_index = gs.active_local = None
             else:
                 self._set_active(gs, saved["active_offsets"].to(gs.flat_param.device))
+            if sc.get("resharded_from") is not None and gs.flat_param is not None:
+                # the master shards are the truth (the decay debt was settled into them): every
+                # replica takes them, as at the end of a dense step
+                shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
+                if gs.master.data_ptr() != shard.data_ptr():
+                    shard.copy_(gs.master)
+                self.comm.all_gather(gs.flat_param, shard, "init")
         self._step = sc["step"]
+        self._refresh_next = bool(sc.get("refresh_next", False))
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:

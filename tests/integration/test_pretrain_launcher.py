@@ -179,5 +179,5 @@ def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.py: error:")]
     assert errors, out[-3000:]
     # each rank prints the same line (the launcher may stop the second before it does)
-    assert all(str(victim) in line and "corrupt or truncated" in line for line in errors), errors
+    assert all(str(victim) in line and "truncated or altered" in line for line in errors), errors
     assert "Traceback" not in out and "resumed from" not in out, out[-3000:]

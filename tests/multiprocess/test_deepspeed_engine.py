@@ -127,15 +127,27 @@ def test_resume_is_exact_at_sparsity_099(tmp_path):
 
 
 # ---------------------------------------------------------------- a save killed half way
-def _worker_killed_save(rank, world_size, tmp_path, ckpt):
+def _small_engine():
+    return _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+
+
+def _trained_and_saved(rank, ckpt, steps):
+    """A small SCAPE engine trained ``steps`` steps and saved as global_step<steps>; (engine, data)."""
     _set_env(rank)
     from scape_ds.checkpoint import save_checkpoint
     from scape_ds.data import build_datasets
 
     train, _ = build_datasets()
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
-    _train(engine, train, 0, 3)
-    save_checkpoint(engine, ckpt, 3, dict(step=3))
+    engine = _small_engine()
+    _train(engine, train, 0, steps)
+    save_checkpoint(engine, ckpt, steps, dict(step=steps))
+    return engine, train
+
+
+def _worker_killed_save(rank, world_size, tmp_path, ckpt):
+    from scape_ds.checkpoint import save_checkpoint
+
+    engine, train = _trained_and_saved(rank, ckpt, 3)
     torch.save(_params(engine), os.path.join(str(tmp_path), f"params_{rank}.pt"))
     _train(engine, train, 3, 5)
     real_save = torch.save
@@ -156,7 +168,7 @@ def _worker_load_after_kill(rank, world_size, tmp_path, ckpt, saved_dir):
     _set_env(rank)
     from scape_ds.checkpoint import load_checkpoint
 
-    engine = _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    engine = _small_engine()
     tag, client = load_checkpoint(engine, ckpt)
     saved = torch.load(os.path.join(saved_dir, f"params_{rank}.pt"))
     return tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
@@ -171,6 +183,112 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         assert f.read() == "global_step3"  # ...but latest still names the complete one
     results = run_ranks(_worker_load_after_kill, 2, tmp_path / "b", ckpt, str(tmp_path / "a"))
     assert results == [("global_step3", 3, True)] * 2
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a checkpoint from an untrusted source could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _worker_damaged_checkpoints(rank, world_size, tmp_path, ckpt):
+    """Save once, then load after each damage (done by rank 0 between barriers): every rank must
+    refuse with the same one-line ValueError naming the file; finally the repaired tag loads."""
+    from scape_ds.checkpoint import load_checkpoint, write_manifest
+
+    engine, _ = _trained_and_saved(rank, ckpt, 2)
+    tag = os.path.join(ckpt, "global_step2")
+    victims = dict(altered=os.path.join(tag, "scape_dp_rank_00001.pt"),
+                   code=os.path.join(tag, "mp_rank_00_model_states.pt"))
+    originals = {}
+    for name, path in victims.items():
+        with open(path, "rb") as f:
+            originals[name] = f.read()
+    marker = os.path.join(str(tmp_path), "code_ran")
+
+    def damage(name):
+        path = victims[name]
+        if name == "altered":  # one byte flipped, size unchanged: only the hash sees it
+            data = bytearray(originals[name])
+            data[len(data) // 2] ^= 0xFF
+            with open(path, "wb") as f:
+                f.write(bytes(data))
+        else:  # a model file with a pickled callable, and a manifest rewritten to match it
+            state = torch.load(path, weights_only=True)
+            state["payload"] = _RunsCode(marker)
+            torch.save(state, path)
+            write_manifest(tag, collective=False)  # rank 0 alone hashes every file
+
+    answers = {}
+    for name in victims:
+        if rank == 0:
+            damage(name)
+        dist.barrier()
+        try:
+            load_checkpoint(engine, ckpt)
+            answers[name] = "loaded"
+        except ValueError as e:
+            answers[name] = str(e)
+        dist.barrier()
+        if rank == 0:
+            with open(victims[name], "wb") as f:
+                f.write(originals[name])
+    if rank == 0:
+        write_manifest(tag, collective=False)
+    dist.barrier()
+    tag_name, client = load_checkpoint(engine, ckpt)
+    return answers, victims, os.path.exists(marker), (tag_name, client["step"])
+
+
+def test_altered_or_code_holding_files_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(_worker_damaged_checkpoints, 2, tmp_path, str(tmp_path / "ckpt"))
+    for answers, victims, code_ran, repaired in results:
+        assert not code_ran and repaired == ("global_step2", 2)
+        assert victims["altered"] in answers["altered"] and "altered" in answers["altered"], answers
+        assert victims["code"] in answers["code"] and "not plain data" in answers["code"], answers
+        assert "system" in answers["code"] and all("\n" not in a for a in answers.values()), answers
+    assert results[0][0] == results[1][0]  # the same line on every rank
+
+
+def _worker_disk_full(rank, world_size, tmp_path, ckpt):
+    from scape_ds.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
+
+    engine, train = _trained_and_saved(rank, ckpt, 2)
+    saved = _params(engine)
+    free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
+    with open(os.path.join(ckpt, "filler"), "wb") as f:  # leave 64 KiB: less than one tag needs
+        f.write(b"\0" * (free - (64 << 10)))
+    _train(engine, train, 2, 4)
+    try:
+        save_checkpoint(engine, ckpt, 4, dict(step=4))
+        error = None
+    except CheckpointSaveError as e:
+        error = str(e)
+    leftovers = [n for n in os.listdir(os.path.join(ckpt, "global_step4")) if ".tmp." in n] \
+        if os.path.isdir(os.path.join(ckpt, "global_step4")) else []
+    engine = _small_engine()
+    tag, client = load_checkpoint(engine, ckpt)
+    return error, leftovers, tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_disk_full_during_save_is_one_line_and_keeps_previous(tmp_path):
+    import subprocess
+
+    ckpt = tmp_path / "small"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(ckpt)], check=True)
+    try:
+        ((error, leftovers, tag, step, same),) = run_ranks(_worker_disk_full, 1, tmp_path, str(ckpt))
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    assert error is not None and "saving global_step4" in error and "\n" not in error, error
+    assert "latest still names global_step2" in error, error
+    assert leftovers == [] and (tag, step, same) == ("global_step2", 2, True)
 
 
 # ---------------------------------------------------------------- refused combinations

@@ -1,0 +1,225 @@
+"""scape_ds.elastic: path A state re-sharded from D to D' data-parallel ranks, in one process.
+
+Old states are real ``ScapeAdamS.state_dict()``s (each rank played by a SimulatedCommunicator, fp64
+parameters, three param groups, one without sparse tensors), with every rank's master, momentum and
+error feedback then overwritten by distinct random values so that nothing can pass by symmetry.
+"""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from scape_ds.checkpoint import check_manifest, convert_checkpoint, main, write_manifest
+from scape_ds.comm.sim import SimulatedCommunicator
+from scape_ds.elastic import (
+    check_zero3_dp_size,
+    read_scape_states,
+    reshard_scape_state,
+    reshard_scape_states,
+    saved_dp_size,
+    sum_in_rank_order,
+)
+from scape_ds.exchange.masks import offsets_to_index
+from scape_ds.optim import ScapeAdamS
+
+SCAPE = dict(sparsity=0.9, chunk_size=16, dense_numel_threshold=32, mask_refresh_interval=3)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # 3 groups: two sparse tensors + a bias; one sparse tensor (N=300, padded); dense only
+    return nn.ModuleDict(dict(a=nn.Linear(24, 20), b=nn.Linear(20, 15, bias=False), c=nn.LayerNorm(7))).double()
+
+
+def _optimizer(model, rank, world_size):
+    groups = [dict(params=list(model["a"].parameters())), dict(params=[model["b"].weight]),
+              dict(params=list(model["c"].parameters()), weight_decay=0.0)]
+    return ScapeAdamS(groups, lr=1e-2, weight_decay=0.1, scape=SCAPE, comm=SimulatedCommunicator(world_size, rank))
+
+
+def _old_states(world_size: int, steps: int = 2) -> list[dict]:
+    """Every rank's state after ``steps`` steps (the last one sparse: decay debt < 1, a mask), with
+    distinct random master, momentum and error feedback per rank (zero in the padding)."""
+    states = []
+    for rank in range(world_size):
+        model = _model()
+        opt = _optimizer(model, rank, world_size)
+        for step in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step), dtype=p.dtype)
+            opt.step()
+        sd = opt.state_dict()
+        g = torch.Generator().manual_seed(1000 + rank)
+        for group in sd["scape"]["groups"]:
+            if group["master"] is None:
+                continue
+            n, S = group["numel"], group["master"].numel()
+            real = (torch.arange(S) + rank * S) < n  # this shard's elements that are not padding
+            for key in ("master", "momentum"):
+                group[key] = torch.randn(S, generator=g, dtype=torch.float64) * real
+            group["error"] = torch.randn(group["padded_numel"], generator=g, dtype=torch.float64)
+            group["error"][n:] = 0
+        states.append(sd)
+    return states
+
+
+def _cat(states, g, key):
+    return torch.cat([s["scape"]["groups"][g][key] for s in states])
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 5), (4, 1)])
+def test_master_and_momentum_are_the_old_shards_concatenated(old, new):
+    before = _old_states(old)
+    for s in before:  # no decay owed: re-sharding only moves elements
+        for group in s["scape"]["groups"]:
+            group["decay_debt"] = 1.0
+    after = reshard_scape_states(before, new)
+    assert [s["scape"]["rank"] for s in after] == list(range(new))
+    for g, saved in enumerate(before[0]["scape"]["groups"]):
+        if saved["master"] is None:
+            assert all(s["scape"]["groups"][g]["master"] is None for s in after)
+            continue
+        n = saved["numel"]
+        sizes = {s["scape"]["groups"][g]["master"].numel() for s in after}
+        assert len(sizes) == 1 and sizes.pop() % SCAPE["chunk_size"] == 0  # equal shards of whole chunks
+        for key in ("master", "momentum"):
+            flat_old, flat_new = _cat(before, g, key), _cat(after, g, key)
+            assert flat_new.numel() == after[0]["scape"]["groups"][g]["padded_numel"] >= n
+            assert torch.equal(flat_new[:n], flat_old[:n]), key
+            assert not flat_new[n:].any(), f"{key}: the new padding is not zero"
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 5), (5, 3)])
+def test_error_feedback_sum_is_kept_to_the_bit(old, new):
+    before = _old_states(old)
+    after = reshard_scape_states(before, new)
+    for g, saved in enumerate(before[0]["scape"]["groups"]):
+        if saved["error"] is None:
+            continue
+        n = saved["numel"]
+        old_sum = sum_in_rank_order([s["scape"]["groups"][g]["error"][:n] for s in before])
+        errors = [s["scape"]["groups"][g]["error"] for s in after]
+        assert all(e.dtype == torch.float64 and e.numel() == after[0]["scape"]["groups"][g]["padded_numel"]
+                   for e in errors)
+        assert torch.equal(sum_in_rank_order(errors)[:n], old_sum)  # bitwise, fp64
+        assert torch.equal(errors[0][:n], old_sum) and not any(e.any() for e in errors[1:])
+        assert not errors[0][n:].any()
+
+
+def test_decay_debt_is_settled_outside_the_old_mask_and_masks_are_dropped():
+    before = _old_states(2)
+    group = before[0]["scape"]["groups"][0]
+    debt = group["decay_debt"]
+    assert 0 < debt < 1 and group["active_offsets"] is not None  # the last step was sparse
+    after = reshard_scape_states(before, 3)
+    kept = offsets_to_index(group["active_offsets"], SCAPE["chunk_size"], 2)  # kc = round(0.1 * 16) = 2
+    flat_old, n = _cat(before, 0, "master"), group["numel"]
+    expected = flat_old * debt
+    expected[kept] = flat_old[kept]
+    assert torch.equal(_cat(after, 0, "master")[:n], expected[:n])
+    for s in after:
+        sc = s["scape"]
+        assert sc["refresh_next"] and sc["resharded_from"] == 2 and sc["step"] == before[0]["scape"]["step"]
+        assert all(g["decay_debt"] == 1.0 and g["active_offsets"] is None for g in sc["groups"])
+        assert torch.equal(sc["groups"][2]["dense_momenta"][0], before[0]["scape"]["groups"][2]["dense_momenta"][0])
+
+
+def test_there_and_back_restores_the_shards():
+    before = _old_states(4)
+    for s in before:
+        for group in s["scape"]["groups"]:
+            group["decay_debt"] = 1.0
+    back = reshard_scape_states(reshard_scape_states(before, 2), 4)
+    for old, new in zip(before, back):
+        for go, gn in zip(old["scape"]["groups"], new["scape"]["groups"]):
+            for key in ("master", "momentum"):
+                assert (go[key] is None and gn[key] is None) or torch.equal(go[key], gn[key])
+
+
+def test_a_resharded_state_loads_and_the_next_step_is_a_dense_refresh():
+    after = reshard_scape_state(_old_states(4), 1, 2)
+    model = _model()
+    opt = _optimizer(model, 1, 2)
+    opt.load_state_dict(after)
+    assert opt.step_count == after["scape"]["step"] and opt.mask_offsets() is None
+    assert torch.equal(opt.state_dict()["scape"]["groups"][0]["master"], after["scape"]["groups"][0]["master"])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.comm_stats["dense_step"] and opt.mask_offsets() is not None
+    assert not opt.state_dict()["scape"]["refresh_next"]
+
+
+def test_bad_input_is_one_line():
+    states = _old_states(2, steps=1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="data-parallel size must be an integer >= 1"):
+            reshard_scape_state(states, 0, bad)
+    with pytest.raises(ValueError, match="new rank 2 is outside 0..1"):
+        reshard_scape_state(states, 2, 2)
+    with pytest.raises(ValueError, match="says it is rank 1 of 2"):
+        reshard_scape_state(states[1:], 0, 2)
+    states[1]["scape"]["step"] += 1
+    with pytest.raises(ValueError, match=r"saved at different steps: \[1, 2\]"):
+        reshard_scape_state(states, 0, 3)
+
+
+def _write_checkpoint(tmp_path, states) -> str:
+    ckpt = tmp_path / "ckpt"
+    tag = ckpt / "global_step2"
+    tag.mkdir(parents=True)
+    for r, s in enumerate(states):
+        torch.save(s, tag / f"scape_dp_rank_{r:05d}.pt")
+    torch.save({"module": {"w": torch.ones(3)}}, tag / "mp_rank_00_model_states.pt")
+    write_manifest(str(tag))
+    (ckpt / "latest").write_text("global_step2")
+    return str(ckpt)
+
+
+def test_convert_writes_a_tag_for_the_new_size(tmp_path, capsys):
+    states = _old_states(4, steps=1)
+    ckpt = _write_checkpoint(tmp_path, states)
+    assert main(["convert", ckpt, "--to-dp", "2", "--out", str(tmp_path / "out")]) == 0
+    new_dir = capsys.readouterr().out.strip()
+    assert new_dir == str(tmp_path / "out" / "global_step2_dp2")
+    assert (tmp_path / "out" / "latest").read_text() == "global_step2_dp2"
+    assert sorted(os.listdir(new_dir)) == ["manifest.json", "mp_rank_00_model_states.pt", "scape_dp_rank_00000.pt",
+                                           "scape_dp_rank_00001.pt"]
+    assert check_manifest(new_dir) == []  # a fresh manifest, not the original's
+    converted = read_scape_states(new_dir)  # weights_only=True: the converted files hold no callables
+    for got, want in zip(converted, reshard_scape_states(states, 2)):
+        assert torch.equal(got["scape"]["groups"][1]["error"], want["scape"]["groups"][1]["error"])
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"  # the original is untouched
+    assert saved_dp_size(os.path.join(ckpt, "global_step2")) == 4 and saved_dp_size(new_dir) == 2
+
+
+def test_convert_refuses_bad_input_in_one_line(tmp_path, capsys):
+    ckpt = _write_checkpoint(tmp_path, _old_states(2, steps=1))
+    assert main(["convert", ckpt, "--to-dp", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "scape_ds.checkpoint convert: --to-dp must be an integer >= 1, got 0"
+    os.remove(os.path.join(ckpt, "global_step2", "scape_dp_rank_00000.pt"))
+    with pytest.raises(ValueError, match="scape_dp_rank_00000.pt is missing"):  # against the manifest
+        convert_checkpoint(ckpt, 3)
+    write_manifest(os.path.join(ckpt, "global_step2"))  # as if saved without rank 0's file
+    with pytest.raises(ValueError, match=r"none for rank\(s\) \[0\]"):
+        convert_checkpoint(ckpt, 3)
+    assert main(["convert", ckpt, "--to-dp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none for rank(s) [0]" in err
+    assert not os.path.exists(os.path.join(ckpt, "global_step2_dp3"))  # nothing half-written
+
+
+def test_zero3_checkpoints_are_refused_in_one_line(tmp_path):
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    for r in range(4):
+        (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    write_manifest(str(tag))
+    assert check_zero3_dp_size(str(tag), 4) == []
+    (problem,) = check_zero3_dp_size(str(tag), 2)
+    assert problem == ("global_step3 was saved by ZeRO-3 on 4 data-parallel ranks and this run has 2: "
+                       "elastic resume is not supported under ZeRO-3 (stage 0/1 only)")
+    (tmp_path / "latest").write_text("global_step3")
+    with pytest.raises(ValueError, match="is a ZeRO-3 checkpoint: elastic resume is not supported under ZeRO-3"):
+        convert_checkpoint(str(tmp_path), 2)
