@@ -425,10 +425,9 @@ def main(argv=None) -> int:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
-
     init_distributed(args.dist_timeout)
     from scape_ds.checkpoint import CheckpointSaveError
+    from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
 
     watch = PeerWatch()
     try:
