@@ -49,7 +49,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .elastic import check_zero3_dp_size, load_resharded_state, read_scape_states, reshard_scape_states, saved_dp_size
+from .elastic import (
+    load_resharded_state,
+    load_resharded_zero3,
+    read_scape_states,
+    reshard_scape_states,
+    saved_dp_size,
+    saved_zero3_dp_size,
+)
 from .engine import is_scape_stage3, scape_optimizer
 
 __all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
@@ -181,10 +188,19 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if problems:
         _refuse(load_dir, problems)
     opt = scape_optimizer(engine)
-    problems, scape_state = _check_contents(tag_dir), None
-    if is_scape_stage3(opt):  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
-        if opt.comm.rank == 0:  # one report, not one per rank
-            problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
+    problems, scape_state, zero3 = _check_contents(tag_dir), None, None
+    zopt = _zero3_optimizer(engine)
+    if zopt is not None:  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
+        from .zero3 import zero3_layout
+
+        rank, world = dist.get_rank(group=zopt.dp_process_group), dist.get_world_size(group=zopt.dp_process_group)
+        try:
+            saved_dp = saved_zero3_dp_size(tag_dir)
+            if saved_dp is not None and saved_dp != world:  # elastic: re-shard in memory
+                zero3 = load_resharded_zero3(tag_dir, zero3_layout(zopt), rank, world)
+        except ValueError as e:
+            if rank == 0:  # the same on every rank: one report
+                problems.append(str(e))
         opt = None
     saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
     if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
@@ -206,6 +222,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if problems:
         _refuse(load_dir, problems)
     safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
+    if zero3 is not None:
+        return tag, _load_zero3_resharded(engine, *zero3)
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
                                                 load_lr_scheduler_states=True)
     if path is None:
@@ -213,6 +231,41 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if opt is not None:
         opt.load_state_dict(scape_state)
     return tag, client_state or {}
+
+
+# what DeepSpeed's _load_checkpoint keeps out of the client state (optimizer and scheduler states loaded)
+_DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+                     "random_ltd", "lr_scheduler", "optimizer")
+
+
+def _load_zero3_resharded(engine, optim_state: dict, model_state: dict) -> dict:
+    """Load a ZeRO-3 checkpoint re-sharded by :func:`scape_ds.elastic.load_resharded_zero3` as
+    DeepSpeed's ``load_checkpoint`` loads one of the same size (its module, optimizer, scheduler and
+    step counters, in its order); returns the client state."""
+    zopt = engine.optimizer
+    zopt.checkpoint_event_prologue()  # every parameter partitioned
+    engine.load_module_state_dict(checkpoint=model_state, strict=True)  # buffers (parameters are partitioned)
+    states = [None] * dist.get_world_size(group=zopt.dp_process_group)
+    states[dist.get_rank(group=zopt.dp_process_group)] = optim_state
+    zopt.load_state_dict(states, load_optimizer_states=True)  # fp32 and compute-dtype partitions, momentum, SCAPE
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+    engine.global_steps = model_state["global_steps"]
+    engine.global_samples = model_state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = model_state["skipped_steps"]
+    engine.loaded_checkpoint_dp_world_size = model_state["dp_world_size"]
+    engine.loaded_checkpoint_mp_world_size = model_state["mp_world_size"]
+    zopt.checkpoint_event_epilogue()  # persistent parameters gathered from the new partitions
+    return {k: v for k, v in model_state.items() if k not in _DEEPSPEED_STATES}
+
+
+def _zero3_optimizer(engine):
+    """``engine``'s ZeRO-3 optimizer (SCAPE's or DeepSpeed's own), or None."""
+    if not engine.zero_optimization_partition_weights():
+        return None
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) else None
 
 
 def _refuse(load_dir: str, problems: list[str]):
