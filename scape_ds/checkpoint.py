@@ -27,14 +27,17 @@ or a file holding code makes every rank raise the same one-line ``ValueError`` n
 rank enters DeepSpeed's loading collectives; (4) DeepSpeed loads its files through its checkpoint
 engine, whose ``load`` is :func:`safe_load`; (5) the SCAPE state read in (2) is loaded into the
 optimizer. A stage 0/1 checkpoint saved on another data-parallel size is re-sharded in (2)
-(:mod:`scape_ds.elastic`: every rank reads every old rank's file).
+(:mod:`scape_ds.elastic`: every rank reads every old rank's file); so is a ZeRO-3 one (every old
+rank's DeepSpeed optimizer file), which is then loaded by :func:`_load_zero3_resharded` in place of
+DeepSpeed's loader in (4) and (5), since DeepSpeed refuses another data-parallel size under ZeRO-3.
 
 Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`): tensors,
 numbers, strings, lists and dicts, plus the two DeepSpeed classes its ZeRO files hold
 (``SAFE_DEEPSPEED_GLOBALS``). A pickled callable is refused, never run.
 
 Offline, ``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]`` writes the checkpoint
-re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`).
+re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`; stage 0/1 only: a
+ZeRO-3 checkpoint is re-sharded when it is loaded on N ranks).
 """
 from __future__ import annotations
 
@@ -169,9 +172,9 @@ def read_latest_tag(load_dir: str) -> str:
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
 
-    A stage 0/1 checkpoint saved on another number of data-parallel ranks is re-sharded in memory
-    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file) and the first step after
-    it is a dense refresh.
+    A checkpoint saved on another number of data-parallel ranks is re-sharded in memory
+    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file, under ZeRO-3 every old
+    rank's DeepSpeed optimizer file) and the first step after it is a dense refresh.
 
     Returns:
         ``(tag, client_state)``.
@@ -180,7 +183,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
         ValueError: not a checkpoint, a missing rank file, a checkpoint of another optimizer, a file
             missing from, added to, truncated or altered against the tag's manifest, a file holding
             objects other than plain data (on every rank, one line naming the file), or another
-            data-parallel size under ZeRO-3 or with tensor/pipeline parallelism (not supported).
+            data-parallel size with tensor/pipeline parallelism or (ZeRO-3) frozen parameters or
+            another model (not supported).
     """
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
@@ -451,8 +455,8 @@ def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = Non
 
     Raises:
         ValueError: a bad ``world_size``, not a checkpoint, a file that fails the manifest check
-            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 or tensor/pipeline-parallel
-            checkpoint (not supported).
+            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 (re-sharded when loaded
+            instead) or tensor/pipeline-parallel checkpoint (not supported).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--to-dp must be an integer >= 1, got {world_size!r}")
@@ -488,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scape_ds.checkpoint",
                                      description="Offline tools for scape_ds checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size")
+    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size "
+                                          "(ZeRO-3 checkpoints are re-sharded when loaded)")
     conv.add_argument("dir", help="checkpoint directory (the one holding 'latest')")
     conv.add_argument("--to-dp", type=int, required=True, help="the new data-parallel size")
     conv.add_argument("--out", default=None, help="where to write the converted tag (default: dir)")

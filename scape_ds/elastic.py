@@ -1,9 +1,12 @@
-"""Elastic resume: re-shard path A's per-rank SCAPE state from D data-parallel ranks to D'.
+"""Elastic resume: re-shard per-rank optimizer state from D data-parallel ranks to D'.
 
-Pure functions over :meth:`ScapeAdamS.state_dict` dicts (no process group), used by
+Pure functions over state dicts (no process group), used by
 :func:`scape_ds.checkpoint.load_checkpoint` when the checkpoint was saved on another number of
-data-parallel ranks, and by ``python -m scape_ds.checkpoint convert <dir> --to-dp N``.
-docs/design.md, "Checkpoints", has the reasoning. Per param group, from D old states to new rank r':
+data-parallel ranks, and (path A) by ``python -m scape_ds.checkpoint convert <dir> --to-dp N``.
+docs/design.md, "Checkpoints", has the reasoning. Path B (ZeRO-3) is at the end of this module
+(:func:`reshard_zero3_state`): each parameter is rebuilt from its D ZeRO-3 pieces and cut into D',
+with the same treatment of decay debt, error feedback and masks as path A's. Path A, per param
+group, from D old :meth:`ScapeAdamS.state_dict` states to new rank r':
 
 1. Master weights and momentum: the old shards, concatenated in rank order, are the flat buffer
    (N_pad,) = (D S,); its first N elements are cut into the new layout (D' S', padded with zeros,

@@ -3,10 +3,11 @@ resumed on 2, saved again and resumed on 4; nothing is lost, and at sparsity 0 i
 (under ZeRO-3: DeepSpeed's dense ZeRO-3 with AdamS) resumed the same way.
 
 Six runs share the processes of each phase: on a small GPT at stage 0, SCAPE at sparsity 0.99, SCAPE
-at sparsity 0 and dense AdamS; on a small MLP under ZeRO-3, the same three. Phase 0 (4 ranks)
-trains steps 1-3 and saves; phase 1 (2 ranks) loads that checkpoint (re-sharded in memory), trains
-steps 4-6 and saves; phase 2 (4 ranks) loads it, the stage-0 0.99 run through ``python -m
-scape_ds.checkpoint convert``'s converted tag, and trains steps 7-9.
+at sparsity 0 and dense AdamS; on a small MLP under ZeRO-3, the same three (SCAPE at sparsity 0 with
+``param_exchange: "sparse_replica"``). Phase 0 (4 ranks) trains steps 1-3 and saves; phase 1 (2
+ranks) loads that checkpoint (re-sharded in memory), trains steps 4-6 and saves; phase 2 (4 ranks)
+loads it, the stage-0 0.99 run through ``python -m scape_ds.checkpoint convert``'s converted tag,
+and trains steps 7-9.
 ``mask_refresh_interval`` 4: steps 1, 5, 9 are regular dense refreshes, so the dense steps 4 and 7
 are the forced refreshes after the elastic loads. The ZeRO-3 runs load with ``load_checkpoint``,
 which re-shards DeepSpeed's per-rank ZeRO-3 files in memory (there is no offline convert for them).
@@ -103,6 +104,9 @@ def _zero3_config(name: str) -> dict:
                          "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}}
     if name != "z3_dense":
         cfg["scape"] = {"sparsity": 0.99 if name == "z3_99" else 0.0, "chunk_size": 256, "mask_refresh_interval": 4}
+    if name == "z3_0":  # the full replica on every rank (every parameter persistent) is rebuilt at the load too
+        cfg["scape"]["param_exchange"] = "sparse_replica"
+        cfg["zero_optimization"] = {"stage": 3}
     return cfg
 
 
