@@ -202,9 +202,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
             saved_dp = saved_zero3_dp_size(tag_dir)
             if saved_dp is not None and saved_dp != world:  # elastic: re-shard in memory
                 zero3 = load_resharded_zero3(tag_dir, zero3_layout(zopt), rank, world)
-        except ValueError as e:
-            if rank == 0:  # the same on every rank: one report
-                problems.append(str(e))
+        except ValueError as e:  # the same on every rank, reported once (_gather_problems)
+            problems.append(str(e))
         opt = None
     saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
     if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
@@ -436,13 +435,14 @@ def _one_line(err: BaseException) -> str:
 
 
 def _gather_problems(problems: list[str]) -> list[str]:
-    """Every rank's problems, in rank order, on every rank (one all-gather of short strings); the
-    ranks agree on whether to load before any of them enters DeepSpeed's loading collectives."""
+    """Every rank's problems, in rank order, each distinct one once, on every rank (one all-gather of
+    short strings); the ranks agree on whether to load before any of them enters DeepSpeed's loading
+    collectives."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problems
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)  # pickled; placed on the current device by torch
-    return [p for rank_problems in gathered for p in rank_problems]
+    return list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
 
 
 def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = None) -> str:
