@@ -153,6 +153,13 @@ def _zero3_runs(rank, root, phase) -> dict:
             save_checkpoint(engine, os.path.join(root, name), stop, dict(step=stop))
         if scape:
             zopt.synchronize()
+    if phase == 2:  # another model: refused on every rank, in one line, before any loading collective
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5, hidden=96), config=_zero3_config("z3_99"))
+        try:
+            load_checkpoint(engine, os.path.join(root, "z3_99"))
+            out["z3_other_model"] = "loaded"
+        except ValueError as e:
+            out["z3_other_model"] = str(e)
     return out
 
 
@@ -244,6 +251,9 @@ def _check_zero3(phases):
         # refresh; step 8 after the forced step 7 is sparse)
         assert [r["z3_99"]["dense"] for r in after] == [[True, True, False] if phase == 1 else [True, False, True]] \
             * len(after)
+    refused = {r["z3_other_model"] for r in phases[2]}
+    assert len(refused) == 1 and "\n" not in (line := refused.pop()), refused
+    assert "global_step6 holds 6 parameters of 16832 elements, this model 6 of 12640 (or in another order)" in line
     losses = {name: [loss for p in phases for loss in p[0][name]["losses"]] for name in Z3_RUNS}
     for name in Z3_RUNS:
         assert losses[name][-1] < losses[name][0] - 0.05, (name, losses[name])  # training continued
