@@ -253,6 +253,11 @@ def _load_zero3_resharded(engine, optim_state: dict, model_state: dict) -> dict:
     zopt.load_state_dict(states, load_optimizer_states=True)  # fp32 and compute-dtype partitions, momentum, SCAPE
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+    if engine.random_ltd_enabled() and engine.random_ltd_scheduler is not None and "random_ltd" in model_state:
+        engine.random_ltd_scheduler.load_state_dict(model_state["random_ltd"])
+    if engine.training_dataloader is not None and engine.curriculum_learning_enabled() \
+            and "data_sampler" in model_state:
+        engine.training_dataloader.data_sampler.load_state_dict(model_state["data_sampler"])
     engine.global_steps = model_state["global_steps"]
     engine.global_samples = model_state.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = model_state["skipped_steps"]

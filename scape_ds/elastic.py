@@ -226,7 +226,7 @@ _ZERO_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 @dataclass(frozen=True)
 class Zero3Layout:
-    """What re-sharding needs of the loading engine's ZeRO-3 layout (``ScapeStage3.elastic_layout()``).
+    """What re-sharding needs of the loading engine's ZeRO-3 layout (:func:`scape_ds.zero3.zero3_layout`).
 
     Attributes:
         numels: every parameter's number of elements, in ZeRO-3's flat order (sub-group by sub-group,
