@@ -14,6 +14,7 @@ from scape_ds.checkpoint import check_manifest, convert_checkpoint, main, write_
 from scape_ds.comm.sim import SimulatedCommunicator
 from scape_ds.elastic import (
     Zero3Layout,
+    load_resharded_zero3,
     read_scape_states,
     reshard_scape_state,
     reshard_scape_states,
@@ -385,3 +386,41 @@ def test_zero3_bad_input_is_one_line():
     states[1]["optimizer_state_dict"]["state"][2]["step"] = 4
     with pytest.raises(ValueError, match="old rank 1's optimizer state differs from old rank 0's"):
         reshard_zero3_state(states, Z3, 0, 3)
+
+
+def _write_zero3_tag(tmp_path, states, prefix="") -> str:
+    from collections import OrderedDict
+
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    for r, s in enumerate(states):
+        torch.save(dict(optimizer_state_dict=s), tag / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        shapes = [OrderedDict((f"p{i}", torch.Size([Z3.numels[i]])) for i in ids) for ids in ((0, 1), (2,), (3, 4))]
+        torch.save(dict(module={}, param_shapes=shapes, global_steps=5, frozen_param_fragments=None),
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+    return str(tag)
+
+
+def test_zero3_files_are_read_with_the_model_states_of_rank_0(tmp_path):
+    states, _ = _z3_states(2)
+    tag = _write_zero3_tag(tmp_path, states, prefix="bf16_")  # DeepSpeed's name for bf16 runs
+    assert saved_zero3_dp_size(tag) == 2
+    state, model = load_resharded_zero3(tag, Z3, 1, 3)
+    want = reshard_zero3_state(states, Z3, 1, 3)
+    assert model["global_steps"] == 5 and state["scape"]["rank"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(state["fp32_flat_groups"], want["fp32_flat_groups"]))
+    other = Zero3Layout(numels=(7, 300, 1, 64, 36), sub_groups=Z3.sub_groups, param_group_of=Z3.param_group_of,
+                        ds_order=Z3.ds_order)
+    with pytest.raises(ValueError, match=r"global_step5 holds 5 parameters of 405 elements, this model 5 of 408"):
+        load_resharded_zero3(tag, other, 0, 3)
+    path = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    model["frozen_param_fragments"] = {"w": torch.ones(2)}
+    torch.save(model, path)
+    with pytest.raises(ValueError, match="has frozen parameters: elastic ZeRO-3 resume supports trainable"):
+        load_resharded_zero3(tag, Z3, 0, 3)
+    os.remove(path)
+    with pytest.raises(ValueError, match="has no zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        load_resharded_zero3(tag, Z3, 0, 3)
+    (tmp_path / "global_step5" / "zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="saved with tensor or pipeline parallelism"):
+        saved_zero3_dp_size(tag)
