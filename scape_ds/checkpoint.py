@@ -27,14 +27,17 @@ or a file holding code makes every rank raise the same one-line ``ValueError`` n
 rank enters DeepSpeed's loading collectives; (4) DeepSpeed loads its files through its checkpoint
 engine, whose ``load`` is :func:`safe_load`; (5) the SCAPE state read in (2) is loaded into the
 optimizer. A stage 0/1 checkpoint saved on another data-parallel size is re-sharded in (2)
-(:mod:`scape_ds.elastic`: every rank reads every old rank's file).
+(:mod:`scape_ds.elastic`: every rank reads every old rank's file); so is a ZeRO-3 one (every old
+rank's DeepSpeed optimizer file), which is then loaded by :func:`_load_zero3_resharded` in place of
+DeepSpeed's loader in (4) and (5), since DeepSpeed refuses another data-parallel size under ZeRO-3.
 
 Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`): tensors,
 numbers, strings, lists and dicts, plus the two DeepSpeed classes its ZeRO files hold
 (``SAFE_DEEPSPEED_GLOBALS``). A pickled callable is refused, never run.
 
 Offline, ``python -m scape_ds.checkpoint convert <dir> --to-dp N [--out DIR]`` writes the checkpoint
-re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`).
+re-sharded for N data-parallel ranks as a new tag (:func:`convert_checkpoint`; stage 0/1 only: a
+ZeRO-3 checkpoint is re-sharded when it is loaded on N ranks).
 """
 from __future__ import annotations
 
@@ -49,7 +52,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .elastic import check_zero3_dp_size, load_resharded_state, read_scape_states, reshard_scape_states, saved_dp_size
+from .elastic import (
+    load_resharded_state,
+    load_resharded_zero3,
+    read_scape_states,
+    reshard_scape_states,
+    saved_dp_size,
+    saved_zero3_dp_size,
+)
 from .engine import is_scape_stage3, scape_optimizer
 from .faults import is_peer_lost
 
@@ -163,9 +173,9 @@ def read_latest_tag(load_dir: str) -> str:
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
 
-    A stage 0/1 checkpoint saved on another number of data-parallel ranks is re-sharded in memory
-    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file) and the first step after
-    it is a dense refresh.
+    A checkpoint saved on another number of data-parallel ranks is re-sharded in memory
+    (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file, under ZeRO-3 every old
+    rank's DeepSpeed optimizer file) and the first step after it is a dense refresh.
 
     Returns:
         ``(tag, client_state)``.
@@ -174,7 +184,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
         ValueError: not a checkpoint, a missing rank file, a checkpoint of another optimizer, a file
             missing from, added to, truncated or altered against the tag's manifest, a file holding
             objects other than plain data (on every rank, one line naming the file), or another
-            data-parallel size under ZeRO-3 or with tensor/pipeline parallelism (not supported).
+            data-parallel size with tensor/pipeline parallelism or (ZeRO-3) frozen parameters or
+            another model (not supported).
     """
     tag = read_latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
@@ -182,10 +193,18 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if problems:
         _refuse(load_dir, problems)
     opt = scape_optimizer(engine)
-    problems, scape_state = _check_contents(tag_dir), None
-    if is_scape_stage3(opt):  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
-        if opt.comm.rank == 0:  # one report, not one per rank
-            problems += check_zero3_dp_size(tag_dir, opt.comm.world_size)
+    problems, scape_state, zero3 = _check_contents(tag_dir), None, None
+    zopt = _zero3_optimizer(engine)
+    if zopt is not None:  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
+        from .zero3 import zero3_layout
+
+        rank, world = dist.get_rank(group=zopt.dp_process_group), dist.get_world_size(group=zopt.dp_process_group)
+        try:
+            saved_dp = saved_zero3_dp_size(tag_dir)
+            if saved_dp is not None and saved_dp != world:  # elastic: re-shard in memory
+                zero3 = load_resharded_zero3(tag_dir, zero3_layout(zopt), rank, world)
+        except ValueError as e:  # the same on every rank, reported once (_gather_problems)
+            problems.append(str(e))
         opt = None
     saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
     if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
@@ -207,6 +226,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if problems:
         _refuse(load_dir, problems)
     safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
+    if zero3 is not None:
+        return tag, _load_zero3_resharded(engine, *zero3)
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
                                                 load_lr_scheduler_states=True)
     if path is None:
@@ -214,6 +235,46 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     if opt is not None:
         opt.load_state_dict(scape_state)
     return tag, client_state or {}
+
+
+# what DeepSpeed's _load_checkpoint keeps out of the client state (optimizer and scheduler states loaded)
+_DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+                     "random_ltd", "lr_scheduler", "optimizer")
+
+
+def _load_zero3_resharded(engine, optim_state: dict, model_state: dict) -> dict:
+    """Load a ZeRO-3 checkpoint re-sharded by :func:`scape_ds.elastic.load_resharded_zero3` as
+    DeepSpeed's ``load_checkpoint`` loads one of the same size (its module, optimizer, scheduler and
+    step counters, in its order); returns the client state."""
+    zopt = engine.optimizer
+    zopt.checkpoint_event_prologue()  # every parameter partitioned
+    engine.load_module_state_dict(checkpoint=model_state, strict=True)  # buffers (parameters are partitioned)
+    states = [None] * dist.get_world_size(group=zopt.dp_process_group)
+    states[dist.get_rank(group=zopt.dp_process_group)] = optim_state
+    zopt.load_state_dict(states, load_optimizer_states=True)  # fp32 and compute-dtype partitions, momentum, SCAPE
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+    if engine.random_ltd_enabled() and engine.random_ltd_scheduler is not None and "random_ltd" in model_state:
+        engine.random_ltd_scheduler.load_state_dict(model_state["random_ltd"])
+    if engine.training_dataloader is not None and engine.curriculum_learning_enabled() \
+            and "data_sampler" in model_state:
+        engine.training_dataloader.data_sampler.load_state_dict(model_state["data_sampler"])
+    engine.global_steps = model_state["global_steps"]
+    engine.global_samples = model_state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = model_state["skipped_steps"]
+    engine.loaded_checkpoint_dp_world_size = model_state["dp_world_size"]
+    engine.loaded_checkpoint_mp_world_size = model_state["mp_world_size"]
+    zopt.checkpoint_event_epilogue()  # persistent parameters gathered from the new partitions
+    return {k: v for k, v in model_state.items() if k not in _DEEPSPEED_STATES}
+
+
+def _zero3_optimizer(engine):
+    """``engine``'s ZeRO-3 optimizer (SCAPE's or DeepSpeed's own), or None."""
+    if not engine.zero_optimization_partition_weights():
+        return None
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) else None
 
 
 def _refuse(load_dir: str, problems: list[str]):
@@ -380,13 +441,14 @@ def _one_line(err: BaseException) -> str:
 
 
 def _gather_problems(problems: list[str]) -> list[str]:
-    """Every rank's problems, in rank order, on every rank (one all-gather of short strings); the
-    ranks agree on whether to load before any of them enters DeepSpeed's loading collectives."""
+    """Every rank's problems, in rank order, each distinct one once, on every rank (one all-gather of
+    short strings); the ranks agree on whether to load before any of them enters DeepSpeed's loading
+    collectives."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problems
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)  # pickled; placed on the current device by torch
-    return [p for rank_problems in gathered for p in rank_problems]
+    return list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
 
 
 def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = None) -> str:
@@ -399,8 +461,8 @@ def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = Non
 
     Raises:
         ValueError: a bad ``world_size``, not a checkpoint, a file that fails the manifest check
-            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 or tensor/pipeline-parallel
-            checkpoint (not supported).
+            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 (re-sharded when loaded
+            instead) or tensor/pipeline-parallel checkpoint (not supported).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--to-dp must be an integer >= 1, got {world_size!r}")
@@ -436,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scape_ds.checkpoint",
                                      description="Offline tools for scape_ds checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size")
+    conv = sub.add_parser("convert", help="re-shard a stage 0/1 checkpoint for another data-parallel size "
+                                          "(ZeRO-3 checkpoints are re-sharded when loaded)")
     conv.add_argument("dir", help="checkpoint directory (the one holding 'latest')")
     conv.add_argument("--to-dp", type=int, required=True, help="the new data-parallel size")
     conv.add_argument("--out", default=None, help="where to write the converted tag (default: dir)")

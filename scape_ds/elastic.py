@@ -1,9 +1,12 @@
-"""Elastic resume: re-shard path A's per-rank SCAPE state from D data-parallel ranks to D'.
+"""Elastic resume: re-shard per-rank optimizer state from D data-parallel ranks to D'.
 
-Pure functions over :meth:`ScapeAdamS.state_dict` dicts (no process group), used by
+Pure functions over state dicts (no process group), used by
 :func:`scape_ds.checkpoint.load_checkpoint` when the checkpoint was saved on another number of
-data-parallel ranks, and by ``python -m scape_ds.checkpoint convert <dir> --to-dp N``.
-docs/design.md, "Checkpoints", has the reasoning. Per param group, from D old states to new rank r':
+data-parallel ranks, and (path A) by ``python -m scape_ds.checkpoint convert <dir> --to-dp N``.
+docs/design.md, "Checkpoints", has the reasoning. Path B (ZeRO-3) is at the end of this module
+(:func:`reshard_zero3_state`): each parameter is rebuilt from its D ZeRO-3 pieces and cut into D',
+with the same treatment of decay debt, error feedback and masks as path A's. Path A, per param
+group, from D old :meth:`ScapeAdamS.state_dict` states to new rank r':
 
 1. Master weights and momentum: the old shards, concatenated in rank order, are the flat buffer
    (N_pad,) = (D S,); its first N elements are cut into the new layout (D' S', padded with zeros,
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +45,9 @@ from .exchange.core import settle_decay
 from .exchange.masks import offsets_to_index
 
 __all__ = ["reshard_scape_state", "reshard_scape_states", "scape_rank_files", "saved_dp_size",
-           "read_scape_states", "load_resharded_state", "sum_in_rank_order", "check_zero3_dp_size"]
+           "read_scape_states", "load_resharded_state", "sum_in_rank_order", "Zero3Layout", "zero3_piece",
+           "zero3_full_params", "zero3_rank_partitions", "reshard_zero3_state", "saved_zero3_dp_size",
+           "load_resharded_zero3"]
 
 _RANK_FILE = re.compile(r"scape_dp_rank_(\d{5})(_global_rank_\d{5})?\.pt$")
 
@@ -77,10 +83,7 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
     Raises:
         ValueError: a bad world size or rank, or old states that do not belong together.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"the new data-parallel size must be an integer >= 1, got {world_size!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"new rank {rank} is outside 0..{world_size - 1}")
+    _check_new_rank(rank, world_size)
     if not states:
         raise ValueError("no old states to re-shard")
     old = [_check_old_state(s, i, len(states)) for i, s in enumerate(states)]
@@ -129,7 +132,10 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
 def _check_old_state(state: dict, rank: int, world_size: int) -> dict:
     if "scape" not in state:
         raise ValueError(f"old rank {rank}'s state is not a ScapeAdamS state dict (no 'scape' entry)")
-    sc = state["scape"]
+    return _check_old_scape(state["scape"], rank, world_size)
+
+
+def _check_old_scape(sc: dict, rank: int, world_size: int) -> dict:
     if (sc["rank"], sc["world_size"]) != (rank, world_size):
         raise ValueError(f"old state {rank} of {world_size} says it is rank {sc['rank']} of {sc['world_size']}")
     return sc
@@ -160,14 +166,21 @@ def saved_dp_size(tag_dir: str) -> int | None:
     Raises:
         ValueError: the files of some data-parallel rank are missing.
     """
-    files = scape_rank_files(tag_dir)
+    return _rank_count(scape_rank_files(tag_dir), f"{tag_dir} has SCAPE state")
+
+
+def _rank_count(files: dict, what: str) -> int | None:
+    """The number of data-parallel ranks ``files`` (rank -> file(s)) were saved by (None: no files).
+
+    Raises:
+        ValueError: ``what`` (``"<dir> has SCAPE state"``...) for ranks up to some but not every rank.
+    """
     if not files:
         return None
     size = max(files) + 1
     missing = [r for r in range(size) if r not in files]
     if missing:
-        raise ValueError(f"{tag_dir} has SCAPE state for data-parallel ranks up to {size - 1} "
-                         f"but none for rank(s) {missing}")
+        raise ValueError(f"{what} for data-parallel ranks up to {size - 1} but none for rank(s) {missing}")
     return size
 
 
@@ -182,8 +195,8 @@ def read_scape_states(tag_dir: str) -> list[dict]:
     old_size = saved_dp_size(tag_dir)
     if old_size is None:
         if any(_ZERO_FILE.match(n) for n in os.listdir(tag_dir)):
-            raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint: elastic resume is not supported under ZeRO-3 "
-                             "(stage 0/1 only)")
+            raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint: convert re-shards stage 0/1 checkpoints only "
+                             "(a ZeRO-3 checkpoint is re-sharded when it is loaded on the new number of ranks)")
         raise ValueError(f"{tag_dir} has no SCAPE state files (saved by another optimizer)")
     if any(len(paths) > 1 or "_global_rank_" in paths[0] for paths in files.values()):
         raise ValueError(f"{tag_dir} was saved with tensor or pipeline parallelism: elastic resume "
@@ -206,17 +219,234 @@ def _load(path: str) -> dict:
     return safe_load(path)
 
 
-_ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+# ---------------------------------------------------------------------- ZeRO-3 (path B)
+_ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 
-def check_zero3_dp_size(tag_dir: str, world_size: int) -> list[str]:
-    """ZeRO-3 (path B) loads only on the data-parallel size that saved it: the problem, if any.
+@dataclass(frozen=True)
+class Zero3Layout:
+    """What re-sharding needs of the loading engine's ZeRO-3 layout (:func:`scape_ds.zero3.zero3_layout`).
 
-    Elastic resume re-shards path A's state only; ZeRO-3's fp32 partitions, momentum and SCAPE's
-    per-parameter error feedback and masks live in DeepSpeed's per-rank optimizer files.
+    Attributes:
+        numels: every parameter's number of elements, in ZeRO-3's flat order (sub-group by sub-group,
+            each in its param group's order: the order of the checkpoint's ``param_shapes``).
+        sub_groups: the number of parameters of each sub-group (one fp32 flat partition each), in order.
+        param_group_of: the optimizer param group of each sub-group.
+        ds_order: for the i-th parameter in ds_id order (SCAPE's keys), its index in the flat order.
     """
-    ranks = {int(m.group(1)) for n in os.listdir(tag_dir) if (m := _ZERO_FILE.match(n))}
-    if ranks and len(ranks) != world_size:
-        return [f"{os.path.basename(tag_dir)} was saved by ZeRO-3 on {len(ranks)} data-parallel ranks and this "
-                f"run has {world_size}: elastic resume is not supported under ZeRO-3 (stage 0/1 only)"]
-    return []
+
+    numels: tuple[int, ...]
+    sub_groups: tuple[int, ...]
+    param_group_of: tuple[int, ...]
+    ds_order: tuple[int, ...]
+
+
+def zero3_piece(numel: int, world_size: int) -> int:
+    """ZeRO-3's piece of a parameter on each of ``world_size`` ranks: ``ceil(numel / world_size)``."""
+    return -(-numel // world_size)
+
+
+def zero3_full_params(flats: list[torch.Tensor], numels: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
+    """Every parameter's full flat value from the old ranks' ZeRO-3 partitions.
+
+    ZeRO-3 cuts parameter ``p`` into ``D`` pieces of ``P = ceil(numel / D)`` elements (the last
+    padded with zeros); rank ``r`` holds piece ``r`` of every parameter, concatenated in flat order
+    (its sub-groups' fp32 partitions one after the other), as DeepSpeed's zero_to_fp32.py reads them.
+
+    Args:
+        flats: per old rank (D of them, in rank order), its (sum_p P_p,) partitions concatenated.
+        numels: every parameter's number of elements, in flat order.
+
+    Returns:
+        Per parameter its (numel,) value (new tensors).
+
+    Raises:
+        ValueError: a rank's partitions do not hold the pieces of these parameters at D ranks.
+    """
+    D = len(flats)
+    pieces = [zero3_piece(n, D) for n in numels]
+    for r, flat in enumerate(flats):
+        if flat.numel() != sum(pieces):
+            raise ValueError(f"old rank {r}'s ZeRO-3 partitions hold {flat.numel()} elements; the model's "
+                             f"{len(numels)} parameters need {sum(pieces)} per rank at {D} ranks")
+    per_rank = [torch.split(flat, pieces) for flat in flats]  # [rank][param] (P,)
+    return [torch.cat([per_rank[r][i] for r in range(D)])[:n].clone() for i, n in enumerate(numels)]
+
+
+def zero3_rank_partitions(full: list[torch.Tensor], sub_groups: tuple[int, ...] | list[int], rank: int,
+                          world_size: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s ZeRO-3 partition of every sub-group at ``world_size`` ranks: per sub-group
+    the concatenation of its parameters' pieces ``rank`` (zero padding past ``numel``)."""
+    out, i = [], 0
+    for count in sub_groups:
+        parts = []
+        for t in full[i:i + count]:
+            P = zero3_piece(t.numel(), world_size)
+            parts.append(_repad(t, t.numel(), world_size * P)[rank * P:(rank + 1) * P])
+        out.append(torch.cat(parts) if parts else torch.zeros(0))
+        i += count
+    return out
+
+
+def reshard_zero3_state(states: list[dict[str, Any]], layout: Zero3Layout, rank: int,
+                        world_size: int) -> dict[str, Any]:
+    """New data-parallel rank ``rank``'s ZeRO-3 optimizer state, from the old ranks' states.
+
+    Args:
+        states: the old ranks' ZeRO-3 optimizer ``state_dict()`` (the ``optimizer_state_dict`` entry
+            of DeepSpeed's ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``), one per old rank, in
+            order: ``ScapeStage3``'s (with ``"scape"``) or DeepSpeed's own ZeRO-3 optimizer's.
+        layout: the loading engine's layout.
+        rank, world_size: the new data-parallel rank and size D'.
+
+    Returns:
+        A state dict that the ZeRO-3 optimizer's ``load_state_dict`` loads on rank ``rank`` of
+        ``world_size``: the fp32 partitions and every per-element optimizer state (Stage3AdamS's
+        ``momentum``, Adam's ``exp_avg``...) cut from the full tensors, the decay Stage3AdamS owed
+        outside its last mask settled first (debt 1); with SCAPE, the error feedback summed in rank
+        order in fp64 and kept whole on new rank 0 (zeros elsewhere), no masks, ``refresh_next`` set.
+
+    Raises:
+        ValueError: a bad world size or rank, or old states that do not belong together or to this model.
+    """
+    _check_new_rank(rank, world_size)
+    if not states:
+        raise ValueError("no old ZeRO-3 states to re-shard")
+    old = [_check_old_zero3_state(s, i, len(states)) for i, s in enumerate(states)]
+    if any(sc is None for sc in old) != all(sc is None for sc in old):
+        raise ValueError("some old ranks have SCAPE state and some none")
+    if old[0] is not None and any(sc["step"] != old[0]["step"] for sc in old):
+        raise ValueError(f"the old ranks were saved at different steps: {[sc['step'] for sc in old]}")
+    masters, per_element, scalars = [], {}, None
+    for r, s in enumerate(states):
+        inner = s["optimizer_state_dict"]
+        flats = [f.clone() for f in s["fp32_flat_groups"]]
+        ids = [i for g in inner["param_groups"] for i in g["params"]]  # the sub-groups, in order
+        if len(ids) != len(flats):
+            raise ValueError(f"old rank {r}: {len(flats)} fp32 partitions but {len(ids)} optimizer parameters")
+        flat_states = [inner["state"].get(i, {}) for i in ids]
+        for flat, st in zip(flats, flat_states):  # the decay owed outside the last mask, as the next dense step
+            settle_decay(flat, st.get("decay_debt", 1.0), st.get("last_index"))
+        masters.append(torch.cat(flats))
+        for flat, st in zip(flats, flat_states):
+            keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.numel() == flat.numel() > 0
+                          and k != "last_index")
+            rest = {k: v for k, v in st.items() if k not in keys and k != "last_index"}
+            rest = dict(rest, decay_debt=1.0) if "decay_debt" in rest else rest
+            if scalars is None:
+                scalars, names = rest, keys
+            elif keys != names or not _same(rest, scalars):
+                raise ValueError(f"old rank {r}'s optimizer state differs from old rank 0's in kind or step")
+            for k in keys:
+                per_element.setdefault(k, [[] for _ in states])[r].append(st[k])
+    full = zero3_full_params(masters, layout.numels)
+    new_state: dict = {}
+    if scalars or per_element:
+        new_state = {i: dict(scalars) for i in range(len(layout.sub_groups))}
+    for k, per_rank in per_element.items():
+        values = zero3_full_params([torch.cat(parts) for parts in per_rank], layout.numels)
+        for i, part in enumerate(zero3_rank_partitions(values, layout.sub_groups, rank, world_size)):
+            new_state[i][k] = part
+    saved_groups = states[0]["optimizer_state_dict"]["param_groups"]
+    groups = [dict(g, params=[i for i, pg in enumerate(layout.param_group_of) if pg == gi])
+              for gi, g in enumerate(saved_groups)]
+    new = dict(states[0], partition_count=world_size,
+               fp32_flat_groups=zero3_rank_partitions(full, layout.sub_groups, rank, world_size),
+               optimizer_state_dict=dict(state=new_state, param_groups=groups))
+    if old[0] is not None:
+        new["scape"] = dict(old[0], rank=rank, world_size=world_size, error=_zero3_error(old, layout, rank, world_size),
+                            masks={}, refresh_next=True, resharded_from=len(states))
+    return new
+
+
+def _same(a: dict, b: dict) -> bool:
+    """The same keys and values (tensors compared elementwise)."""
+    return a.keys() == b.keys() and all(
+        torch.equal(v, b[k]) if torch.is_tensor(v) and torch.is_tensor(b[k]) else v == b[k] for k, v in a.items())
+
+
+def _zero3_error(old: list[dict], layout: Zero3Layout, rank: int, world_size: int) -> dict[int, torch.Tensor]:
+    """SCAPE's error feedback (key: place in ds_id order) of new rank ``rank``: the old ranks' sum,
+    in rank order in fp64, stored once in the buffer's dtype on rank 0; zeros elsewhere."""
+    keys = sorted(old[0]["error"])
+    if any(sorted(sc["error"]) != keys for sc in old):
+        raise ValueError("the old ranks hold error feedback for different parameters")
+    out = {}
+    for i in keys:
+        if i >= len(layout.ds_order):
+            raise ValueError(f"the checkpoint has error feedback for parameter {i}; the model has "
+                             f"{len(layout.ds_order)} parameters")
+        n = layout.numels[layout.ds_order[i]]
+        padded = world_size * zero3_piece(n, world_size)
+        dtype = old[0]["error"][i].dtype
+        if rank == 0:
+            out[i] = _repad(sum_in_rank_order([sc["error"][i][:n] for sc in old]).to(dtype), n, padded)
+        else:
+            out[i] = torch.zeros(padded, dtype=dtype)
+    return out
+
+
+def _check_old_zero3_state(state: dict, rank: int, world_size: int) -> dict | None:
+    """The old rank's SCAPE state (None: saved by DeepSpeed's own ZeRO-3 optimizer)."""
+    if not isinstance(state, dict) or "fp32_flat_groups" not in state or "optimizer_state_dict" not in state:
+        raise ValueError(f"old rank {rank}'s optimizer state is not a ZeRO-3 state")
+    if state.get("ds_zero_partition_groups") is not None:
+        raise ValueError("elastic ZeRO-3 resume does not support AutoEP partition groups")
+    return _check_old_scape(state["scape"], rank, world_size) if "scape" in state else None
+
+
+def _check_new_rank(rank: int, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"the new data-parallel size must be an integer >= 1, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"new rank {rank} is outside 0..{world_size - 1}")
+
+
+def _zero3_files(tag_dir: str) -> dict[int, str]:
+    """Old data-parallel rank -> its ZeRO-3 optimizer file in ``tag_dir``."""
+    found, mp = {}, set()
+    for name in sorted(os.listdir(tag_dir)):
+        m = _ZERO_FILE.match(name)
+        if m:
+            found[int(m.group(1))] = os.path.join(tag_dir, name)
+            mp.add(int(m.group(2)))
+    if mp - {0}:
+        raise ValueError(f"{tag_dir} was saved with tensor or pipeline parallelism: elastic resume "
+                         "supports data parallelism only")
+    return found
+
+
+def saved_zero3_dp_size(tag_dir: str) -> int | None:
+    """The data-parallel size a ZeRO-3 checkpoint in ``tag_dir`` was saved with (None: not ZeRO-3).
+
+    Raises:
+        ValueError: some rank's optimizer file is missing, or tensor/pipeline-parallel files.
+    """
+    return _rank_count(_zero3_files(tag_dir), f"{tag_dir} has ZeRO-3 optimizer files")
+
+
+def load_resharded_zero3(tag_dir: str, layout: Zero3Layout, rank: int, world_size: int) -> tuple[dict, dict]:
+    """Read every old rank's ZeRO-3 optimizer file and old rank 0's model-states file in ``tag_dir``;
+    returns ``(new rank's optimizer state, rank 0's model states)``.
+
+    Raises:
+        ValueError: as :func:`saved_zero3_dp_size` and :func:`reshard_zero3_state`, a missing
+            model-states file, parameters other than the model's, or frozen parameters (not supported).
+    """
+    old_size = saved_zero3_dp_size(tag_dir)
+    if old_size is None:
+        raise ValueError(f"{tag_dir} has no ZeRO-3 optimizer files")
+    model_path = os.path.join(tag_dir, _ZERO_MODEL_FILE)
+    if not os.path.isfile(model_path):
+        raise ValueError(f"{tag_dir} has no {_ZERO_MODEL_FILE}")
+    model = _load(model_path)
+    if model.get("frozen_param_fragments"):
+        raise ValueError(f"{tag_dir} has frozen parameters: elastic ZeRO-3 resume supports trainable parameters only")
+    saved = [int(shape.numel()) for group in model.get("param_shapes") or [] for shape in group.values()]
+    if saved != list(layout.numels):
+        raise ValueError(f"{tag_dir} holds {len(saved)} parameters of {sum(saved)} elements, this model "
+                         f"{len(layout.numels)} of {sum(layout.numels)} (or in another order)")
+    files = _zero3_files(tag_dir)
+    states = [_load(files[r])["optimizer_state_dict"] for r in range(old_size)]
+    return reshard_zero3_state(states, layout, rank, world_size), model

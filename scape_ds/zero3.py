@@ -56,6 +56,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from .comm import TorchCommunicator
 from .config import ScapeConfig
+from .elastic import Zero3Layout
 from .exchange.core import owe_decay, settle_decay
 from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
@@ -63,12 +64,13 @@ from .kernels import get_kernels
 from .optim.adams import check_adams_hyperparameters
 
 __all__ = ["ScapeStage3", "Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals",
-           "replica_zero_config"]
+           "replica_zero_config", "zero3_layout"]
 
 _PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 _NEEDED = ("grad_position", "fp32_partitioned_groups_flat", "fp16_groups", "get_param_id",
            "_get_param_partition_group", "gradient_accumulation_dtype", "dp_process_group", "overflow",
-           "persistent_parameters", "_post_step", "_partition_all_parameters", "communication_data_type")
+           "persistent_parameters", "_post_step", "_partition_all_parameters", "communication_data_type",
+           "sub_group_to_group_id")
 
 
 def check_deepspeed_internals() -> None:
@@ -305,6 +307,17 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
         self.scape.check_loadable(mine.get("scape") if isinstance(mine, dict) else None)
         super().load_state_dict(state_dict_list, load_optimizer_states, *args, **kwargs)
         self.scape.load_state_dict(mine["scape"], self.fp32_partitioned_groups_flat[0].device)
+
+
+def zero3_layout(zopt: DeepSpeedZeroOptimizer_Stage3) -> Zero3Layout:
+    """The ZeRO-3 layout of ``zopt`` (SCAPE's or DeepSpeed's own), for re-sharding a checkpoint
+    saved on another data-parallel size (:func:`scape_ds.elastic.reshard_zero3_state`)."""
+    flat = [p for group in zopt.fp16_groups for p in group]
+    place = {id(p): i for i, p in enumerate(flat)}
+    return Zero3Layout(numels=tuple(int(p.ds_numel) for p in flat),
+                       sub_groups=tuple(len(group) for group in zopt.fp16_groups),
+                       param_group_of=tuple(int(zopt.sub_group_to_group_id[i]) for i in range(len(zopt.fp16_groups))),
+                       ds_order=tuple(place[id(p)] for p in sorted(flat, key=lambda p: p.ds_id)))
 
 
 def scape_stage3_class(scape_cfg: ScapeConfig) -> type[ScapeStage3]:

@@ -62,6 +62,7 @@ class Stage3Exchange:
         self.step = 0  # completed optimizer steps
         self.error: dict[int, torch.Tensor] = {}  # ds_id -> (D*P,) fp32 error feedback, one gradient's size
         self.masks: dict[int, torch.Tensor] = {}  # ds_id -> (D, k) int64 offsets within each piece
+        self.refresh_next = False  # the next step chooses masks (after an elastic load: no masks, so dense)
         self.pending = PendingMasks()  # the masks of the last refresh step, in flight
         self.step_dense = True  # the step in progress exchanges densely
         self.in_step = False  # inside DeepSpeed's step (its parameter release is skipped under sparse_replica)
@@ -101,7 +102,8 @@ class Stage3Exchange:
         """After a step that was not skipped: count it, select the next masks on a refresh step
         (``momenta`` as for :meth:`select_masks`), fill ``comm_stats``."""
         self.step += 1
-        if self.schedule.is_refresh(self.step) and self.masked:
+        forced, self.refresh_next = self.refresh_next, False
+        if (forced or self.schedule.is_refresh(self.step)) and self.masked:
             self.select_masks(momenta)
         self.comm.meter.record_dense(self.dense_bytes)
         self.comm_stats = step_comm_stats(self.comm.meter, self.step, self.step_dense)
@@ -206,7 +208,7 @@ class Stage3Exchange:
         """Step, layout, error feedback and masks, keyed by the parameter's place in ds_id order
         (ds_ids count up across engines in one process)."""
         self.pending.wait()
-        return dict(step=self.step, rank=self.rank, world_size=self.world_size,
+        return dict(step=self.step, rank=self.rank, world_size=self.world_size, refresh_next=self.refresh_next,
                     error={i: self.error[p.ds_id].clone() for i, p in enumerate(self.params) if p.ds_id in self.error},
                     masks={i: self.masks[p.ds_id].clone() for i, p in enumerate(self.params) if p.ds_id in self.masks})
 
@@ -222,4 +224,5 @@ class Stage3Exchange:
         self.masks = {ids[i]: v.to(device) for i, v in saved["masks"].items()}
         self._flat_index = self._replica_index = None
         self.step = saved["step"]
+        self.refresh_next = bool(saved.get("refresh_next", False))  # set by scape_ds.elastic
         self.pending.drop()

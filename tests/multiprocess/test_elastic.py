@@ -1,13 +1,16 @@
-"""Elastic resume on DeepSpeed engines (path A, stage 0): saved on 4 gloo ranks, resumed on 2, saved
-again and resumed on 4; nothing is lost, and at sparsity 0 it equals dense AdamS resumed the same way.
+"""Elastic resume on DeepSpeed engines (path A, stage 0, and path B, ZeRO-3): saved on 4 gloo ranks,
+resumed on 2, saved again and resumed on 4; nothing is lost, and at sparsity 0 it equals dense AdamS
+(under ZeRO-3: DeepSpeed's dense ZeRO-3 with AdamS) resumed the same way.
 
-Three runs share the processes of each phase: SCAPE at sparsity 0.99, SCAPE at sparsity 0 and dense
-AdamS. Phase 0 (4 ranks) trains steps 1-3 and saves; phase 1 (2 ranks) loads that checkpoint
-(re-sharded in memory), trains steps 4-6 and saves; phase 2 (4 ranks) loads it, the 0.99 run
-through ``python -m scape_ds.checkpoint convert``'s converted tag, and trains steps 7-9.
+Six runs share the processes of each phase: on a small GPT at stage 0, SCAPE at sparsity 0.99, SCAPE
+at sparsity 0 and dense AdamS; on a small MLP under ZeRO-3, the same three (SCAPE at sparsity 0 with
+``param_exchange: "sparse_replica"``). Phase 0 (4 ranks) trains steps 1-3 and saves; phase 1 (2
+ranks) loads that checkpoint (re-sharded in memory), trains steps 4-6 and saves; phase 2 (4 ranks)
+loads it, the stage-0 0.99 run through ``python -m scape_ds.checkpoint convert``'s converted tag,
+and trains steps 7-9.
 ``mask_refresh_interval`` 4: steps 1, 5, 9 are regular dense refreshes, so the dense steps 4 and 7
-are the forced refreshes after the elastic loads. A ZeRO-3 engine saved in phase 1 is refused in
-one line on phase 2's 4 ranks.
+are the forced refreshes after the elastic loads. The ZeRO-3 runs load with ``load_checkpoint``,
+which re-shards DeepSpeed's per-rank ZeRO-3 files in memory (there is no offline convert for them).
 """
 from __future__ import annotations
 
@@ -87,34 +90,77 @@ def _worker(rank, world_size, tmp_path, phase, root):
                          saved=(_eval_loss(engine), _params(engine)), error=error)
         if phase < 2:
             save_checkpoint(engine, ckpt, stop, dict(step=stop))
-    if phase > 0:
-        out["zero3"] = _zero3(rank, os.path.join(root, "zero3"), save=phase == 1)
+    out.update(_zero3_runs(rank, root, phase))
     return out
 
 
-def _zero3(rank, ckpt, save: bool) -> str | None:
-    """Save a ZeRO-3 SCAPE engine after one step, or try to load that checkpoint (the error message)."""
+Z3_RUNS = ("z3_99", "z3_0", "z3_dense")
+
+
+def _zero3_config(name: str) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "AdamS" if name == "z3_dense" else "ScapeAdamS",
+                         "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}}
+    if name != "z3_dense":
+        cfg["scape"] = {"sparsity": 0.99 if name == "z3_99" else 0.0, "chunk_size": 256, "mask_refresh_interval": 4}
+    if name == "z3_0":  # the full replica on every rank (every parameter persistent) is rebuilt at the load too
+        cfg["scape"]["param_exchange"] = "sparse_replica"
+        cfg["zero_optimization"] = {"stage": 3}
+    return cfg
+
+
+def _zero3_runs(rank, root, phase) -> dict:
+    """The ZeRO-3 runs of a phase: SCAPE 0.99, SCAPE 0 and DeepSpeed's dense ZeRO-3 with AdamS, each
+    loading the previous phase's checkpoint (another data-parallel size: re-sharded on load)."""
     import scape_ds
     from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+    from scape_ds.zero3 import ScapeStage3
 
     from .models import loss_fn, make_batch, make_mlp
+    from .test_zero3 import _gathered
 
-    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "optimizer": {"type": "ScapeAdamS", "params": {"lr": 1e-2}},
-           "scape": {"sparsity": 0.99, "chunk_size": 256}}
-    engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=cfg)
-    if save:
-        engine.backward(loss_fn(engine, *make_batch(0, rank)))
-        engine.step()
-        save_checkpoint(engine, ckpt, 1, dict(step=1))
-        engine.optimizer.synchronize()
-        return None
-    try:
-        load_checkpoint(engine, ckpt)
-    except ValueError as e:
-        return str(e)
-    return "loaded"
+    _, start, stop = PHASES[phase]
+    x_eval, y_eval = make_batch(10**6, 0)
+    out = {}
+    for name in Z3_RUNS:
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=_zero3_config(name))
+        zopt = engine.optimizer
+        scape = isinstance(zopt, ScapeStage3)
+
+        def snapshot():
+            with torch.no_grad():
+                loss = float(loss_fn(engine, x_eval, y_eval))
+            error = {i: e.clone() for i, e in zopt.scape.state_dict()["error"].items()} if scape else None
+            return loss, _gathered(engine), error
+
+        loaded = None
+        if phase > 0:
+            tag, client = load_checkpoint(engine, os.path.join(root, name))
+            assert client["step"] == start and engine.global_steps == start, (tag, client)
+            loaded = snapshot()
+        losses, dense = [], []
+        for step in range(start, stop):
+            loss = loss_fn(engine, *make_batch(step, rank))
+            engine.backward(loss)
+            engine.step()
+            total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+            dist.all_reduce(total)
+            losses.append(float(total) / dist.get_world_size())
+            dense.append(zopt.comm_stats["dense_step"] if scape else None)
+        out[name] = dict(loaded=loaded, losses=losses, dense=dense, saved=snapshot())
+        if phase < 2:
+            save_checkpoint(engine, os.path.join(root, name), stop, dict(step=stop))
+        if scape:
+            zopt.synchronize()
+    if phase == 2:  # another model: refused on every rank, in one line, before any loading collective
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5, hidden=96), config=_zero3_config("z3_99"))
+        try:
+            load_checkpoint(engine, os.path.join(root, "z3_99"))
+            out["z3_other_model"] = "loaded"
+        except ValueError as e:
+            out["z3_other_model"] = str(e)
+    return out
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -164,9 +210,53 @@ def test_elastic_resume_4_to_2_to_4(tmp_path):
     # sparsity 0 resumed elastically equals dense AdamS resumed the same way
     assert max(abs(a - b) for a, b in zip(losses["scape0"], losses["dense"])) <= 1e-5, losses
     assert _max_diff(phases[2][0]["scape0"]["saved"][1], phases[2][0]["dense"]["saved"][1]) <= 1e-5
-    # ZeRO-3: another data-parallel size is refused on every rank, in one line
-    zero3 = os.path.join(root, "zero3")
-    assert [r["zero3"] for r in phases[2]] == [
-        f"--load {zero3}: global_step1 was saved by ZeRO-3 on 2 data-parallel ranks and this run has 4: "
-        "elastic resume is not supported under ZeRO-3 (stage 0/1 only)"] * 4
+    _check_zero3(phases)
 
+
+def _check_zero3(phases):
+    """ZeRO-3: every run resumes from the model it saved (SCAPE 0.99: with the decay owed outside the
+    last mask settled), replicas equal, the error feedback sum kept, and at sparsity 0 the same run
+    as DeepSpeed's dense ZeRO-3 with AdamS resumed the same way."""
+    from scape_ds.elastic import sum_in_rank_order
+
+    for phase in (1, 2):
+        before, after = phases[phase - 1], phases[phase]
+        for name in Z3_RUNS:
+            saved_loss, saved_params, saved_error = before[0][name]["saved"]
+            for r in after:
+                loaded_loss, loaded_params, _ = r[name]["loaded"]
+                if name == "z3_99":  # the decay of <= 2 sparse steps: (1 - lr wd)^2, lr wd = 1e-3
+                    assert abs(loaded_loss - saved_loss) < 1e-2, (phase, loaded_loss, saved_loss)
+                    assert ((loaded_params - saved_params).abs() <= 2.001e-3 * saved_params.abs()).all()
+                else:
+                    assert loaded_loss == saved_loss and torch.equal(loaded_params, saved_params), (phase, name)
+                assert torch.equal(r[name]["loaded"][1], after[0][name]["loaded"][1])  # replicas equal
+                assert torch.equal(r[name]["saved"][1], after[0][name]["saved"][1])
+        # error feedback: the old ranks' sum (fp64, rank order), rounded once to fp32, on new rank 0
+        for name in ("z3_99", "z3_0"):
+            new_errors = [r[name]["loaded"][2] for r in after]
+            old_errors = [r[name]["saved"][2] for r in before]
+            assert sorted(new_errors[0]) == sorted(old_errors[0]) != []
+            nonzero = 0
+            for i in old_errors[0]:
+                n = min(old_errors[0][i].numel(), new_errors[0][i].numel())  # numel <= both padded sizes
+                old_sum = sum_in_rank_order([e[i] for e in old_errors])
+                assert not old_sum[n:].any() and not new_errors[0][i][n:].any()
+                assert new_errors[0][i].dtype == torch.float32
+                assert torch.equal(new_errors[0][i][:n], old_sum[:n].float())
+                assert not any(e[i].any() for e in new_errors[1:])
+                nonzero += bool(old_sum.any())
+            assert nonzero > 0 if name == "z3_99" else nonzero == 0  # sparsity 0: every step flushes it
+        # the first step after each load is a forced dense refresh that chooses masks (step 4 is not a
+        # refresh; step 8 after the forced step 7 is sparse)
+        assert [r["z3_99"]["dense"] for r in after] == [[True, True, False] if phase == 1 else [True, False, True]] \
+            * len(after)
+    refused = {r["z3_other_model"] for r in phases[2]}
+    assert len(refused) == 1 and "\n" not in (line := refused.pop()), refused
+    assert "global_step6 holds 6 parameters of 16832 elements, this model 6 of 12640 (or in another order)" in line
+    losses = {name: [loss for p in phases for loss in p[0][name]["losses"]] for name in Z3_RUNS}
+    for name in Z3_RUNS:
+        assert losses[name][-1] < losses[name][0] - 0.05, (name, losses[name])  # training continued
+    # sparsity 0 resumed elastically equals dense ZeRO-3 with AdamS resumed the same way
+    assert max(abs(a - b) for a, b in zip(losses["z3_0"], losses["z3_dense"])) <= 1e-5, losses
+    assert float((phases[2][0]["z3_0"]["saved"][1] - phases[2][0]["z3_dense"]["saved"][1]).abs().max()) <= 1e-5

@@ -13,12 +13,18 @@ from torch import nn
 from scape_ds.checkpoint import check_manifest, convert_checkpoint, main, write_manifest
 from scape_ds.comm.sim import SimulatedCommunicator
 from scape_ds.elastic import (
-    check_zero3_dp_size,
+    Zero3Layout,
+    load_resharded_zero3,
     read_scape_states,
     reshard_scape_state,
     reshard_scape_states,
+    reshard_zero3_state,
     saved_dp_size,
+    saved_zero3_dp_size,
     sum_in_rank_order,
+    zero3_full_params,
+    zero3_piece,
+    zero3_rank_partitions,
 )
 from scape_ds.exchange.masks import offsets_to_index
 from scape_ds.optim import ScapeAdamS
@@ -210,16 +216,211 @@ def test_convert_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not os.path.exists(os.path.join(ckpt, "global_step2_dp3"))  # nothing half-written
 
 
-def test_zero3_checkpoints_are_refused_in_one_line(tmp_path):
+def test_convert_refuses_zero3_checkpoints_in_one_line(tmp_path):
     tag = tmp_path / "global_step3"
     tag.mkdir()
     for r in range(4):
         (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
     write_manifest(str(tag))
-    assert check_zero3_dp_size(str(tag), 4) == []
-    (problem,) = check_zero3_dp_size(str(tag), 2)
-    assert problem == ("global_step3 was saved by ZeRO-3 on 4 data-parallel ranks and this run has 2: "
-                       "elastic resume is not supported under ZeRO-3 (stage 0/1 only)")
+    assert saved_zero3_dp_size(str(tag)) == 4 and saved_dp_size(str(tag)) is None
     (tmp_path / "latest").write_text("global_step3")
-    with pytest.raises(ValueError, match="is a ZeRO-3 checkpoint: elastic resume is not supported under ZeRO-3"):
+    with pytest.raises(ValueError, match="is a ZeRO-3 checkpoint: convert re-shards stage 0/1 checkpoints only"):
         convert_checkpoint(str(tmp_path), 2)
+    os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match=r"files for data-parallel ranks up to 3 but none for rank\(s\) \[1\]"):
+        saved_zero3_dp_size(str(tag))
+
+
+# ---------------------------------------------------------------------- ZeRO-3 (path B)
+# A layout with odd sizes (padding on the last ranks), one parameter of one element, two param groups
+# and three sub-groups; ds_id order differs from the flat order.
+Z3 = Zero3Layout(numels=(7, 300, 1, 64, 33), sub_groups=(2, 1, 2), param_group_of=(0, 0, 1), ds_order=(2, 0, 1, 4, 3))
+
+
+def _full(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g, dtype=torch.float64) for n in Z3.numels]
+
+
+def _z3_states(world_size: int, scape: bool = True, debt: float = 1.0) -> tuple[list[dict], dict]:
+    """Old ranks' ZeRO-3 optimizer states (fp64) cut from known full tensors; returns (states, truth)."""
+    truth = dict(master=_full(1), momentum=_full(2))
+    states = []
+    for r in range(world_size):
+        flats = zero3_rank_partitions(truth["master"], Z3.sub_groups, r, world_size)
+        moms = zero3_rank_partitions(truth["momentum"], Z3.sub_groups, r, world_size)
+        state = {i: dict(momentum=m, step=5, decay_debt=debt) for i, m in enumerate(moms)}
+        if debt != 1.0:
+            for i, f in enumerate(flats):
+                state[i]["last_index"] = torch.arange(0, f.numel(), 3)
+        sd = dict(zero_stage=3, loss_scaler=None, dynamic_loss_scale=False, overflow=False, partition_count=world_size,
+                  fp32_flat_groups=flats, optimizer_state_dict=dict(
+                      state=state, param_groups=[dict(lr=1e-2, params=[0, 1]), dict(lr=1e-2, params=[2])]))
+        if scape:
+            g = torch.Generator().manual_seed(100 + r)
+            error = {}
+            for i, f in enumerate(Z3.ds_order):
+                n = Z3.numels[f]
+                P = zero3_piece(n, world_size)
+                error[i] = torch.zeros(world_size * P, dtype=torch.float64)
+                error[i][:n] = torch.randn(n, generator=g, dtype=torch.float64)
+            sd["scape"] = dict(step=5, rank=r, world_size=world_size, refresh_next=False, error=error,
+                               masks={0: torch.zeros(world_size, 1, dtype=torch.long)})
+        states.append(sd)
+    return states, truth
+
+
+def test_zero3_layout_is_the_one_zero_to_fp32_reads():
+    """DeepSpeed's own reader of ZeRO-3 files rebuilds the same full tensors from our partitions."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params, to_torch_tensor
+
+    full = _full(1)
+    for D in (1, 2, 3, 4):
+        flats = [zero3_rank_partitions(full, Z3.sub_groups, r, D) for r in range(D)]
+        shapes = [OrderedDict((f"p{i}", torch.Size([Z3.numels[i]])) for i in range(0, 2)),
+                  OrderedDict([("p2", torch.Size([1]))]),
+                  OrderedDict((f"p{i}", torch.Size([Z3.numels[i]])) for i in range(3, 5))]
+        theirs = {}
+        _zero3_merge_trainable_params(theirs, D, flats, [SimpleNamespace(param_shapes=shapes)])
+        theirs = to_torch_tensor(theirs)
+        ours = zero3_full_params([torch.cat(f) for f in flats], Z3.numels)
+        for i, t in enumerate(full):
+            assert torch.equal(theirs[f"p{i}"], t) and torch.equal(ours[i], t)
+        for r in range(D):  # ZeRO-3's pieces: ceil(numel / D) each, zero padding on the last ranks
+            assert [f.numel() for f in flats[r]] == [sum(zero3_piece(Z3.numels[i], D) for i in ids)
+                                                    for ids in ((0, 1), (2,), (3, 4))]
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 5), (4, 1)])
+def test_zero3_master_and_momentum_are_rebuilt_exactly(old, new):
+    states, truth = _z3_states(old)
+    after = [reshard_zero3_state(states, Z3, r, new) for r in range(new)]
+    master = zero3_full_params([torch.cat(s["fp32_flat_groups"]) for s in after], Z3.numels)
+    for r, s in enumerate(after):
+        assert s["partition_count"] == new and [g["params"] for g in s["optimizer_state_dict"]["param_groups"]] \
+            == [[0, 1], [2]]
+        assert all(st["step"] == 5 and st["decay_debt"] == 1.0 and "last_index" not in st
+                   for st in s["optimizer_state_dict"]["state"].values())
+        for f, st in zip(s["fp32_flat_groups"], s["optimizer_state_dict"]["state"].values()):
+            assert f.dtype == st["momentum"].dtype == torch.float64 and f.numel() == st["momentum"].numel()
+    momentum = zero3_full_params([torch.cat([st["momentum"] for st in s["optimizer_state_dict"]["state"].values()])
+                                  for s in after], Z3.numels)
+    for key, rebuilt in (("master", master), ("momentum", momentum)):
+        assert all(torch.equal(a, b) for a, b in zip(rebuilt, truth[key])), key
+    for r in range(new):  # the padding of the new layout is zero
+        cut = zero3_rank_partitions(truth["master"], Z3.sub_groups, r, new)
+        assert all(torch.equal(a, b) for a, b in zip(after[r]["fp32_flat_groups"], cut))
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 5), (5, 3)])
+def test_zero3_error_feedback_sum_is_kept_to_the_bit(old, new):
+    states, _ = _z3_states(old)
+    after = [reshard_zero3_state(states, Z3, r, new)["scape"] for r in range(new)]
+    for i, f in enumerate(Z3.ds_order):
+        n = Z3.numels[f]
+        old_sum = sum_in_rank_order([s["scape"]["error"][i][:n] for s in states])
+        errors = [s["error"][i] for s in after]
+        assert all(e.dtype == torch.float64 and e.numel() == new * zero3_piece(n, new) for e in errors)
+        assert torch.equal(sum_in_rank_order(errors)[:n], old_sum)  # bitwise, fp64
+        assert torch.equal(errors[0][:n], old_sum) and not errors[0][n:].any()
+        assert not any(e.any() for e in errors[1:])
+    for r, sc in enumerate(after):  # masks index the old pieces: dropped; the next step is a dense refresh
+        assert (sc["rank"], sc["world_size"], sc["step"], sc["masks"], sc["refresh_next"], sc["resharded_from"]) \
+            == (r, new, 5, {}, True, old)
+
+
+def test_zero3_decay_owed_outside_the_last_mask_is_settled():
+    debt = 0.99
+    states, truth = _z3_states(2, debt=debt)
+    expected = []
+    for r, s in enumerate(states):
+        flats = []
+        for f, st in zip(s["fp32_flat_groups"], s["optimizer_state_dict"]["state"].values()):
+            want = f * debt
+            want[st["last_index"]] = f[st["last_index"]]
+            flats.append(want)
+        expected.append(torch.cat(flats))
+    after = [reshard_zero3_state(states, Z3, r, 3) for r in range(3)]
+    got = zero3_full_params([torch.cat(s["fp32_flat_groups"]) for s in after], Z3.numels)
+    assert all(torch.equal(a, b) for a, b in zip(got, zero3_full_params(expected, Z3.numels)))
+    assert all(st["decay_debt"] == 1.0 for s in after for st in s["optimizer_state_dict"]["state"].values())
+    assert all(torch.equal(f, s) for f, s in zip(states[0]["fp32_flat_groups"], _z3_states(2, debt=debt)[0][0][
+        "fp32_flat_groups"]))  # the old states are not modified
+
+
+def test_zero3_state_of_deepspeeds_own_optimizer_is_resharded():
+    """Dense ZeRO-3 (DeepSpeed's optimizer, any per-element state, no SCAPE entry)."""
+    states, truth = _z3_states(4, scape=False)
+    for s in states:
+        for st in s["optimizer_state_dict"]["state"].values():
+            st["exp_avg_sq"] = st["momentum"] * 2
+    after = [reshard_zero3_state(states, Z3, r, 2) for r in range(2)]
+    assert "scape" not in after[0]
+    sq = zero3_full_params([torch.cat([st["exp_avg_sq"] for st in s["optimizer_state_dict"]["state"].values()])
+                            for s in after], Z3.numels)
+    assert all(torch.equal(a, 2 * b) for a, b in zip(sq, truth["momentum"]))
+
+
+def test_zero3_bad_input_is_one_line():
+    states, _ = _z3_states(2)
+    with pytest.raises(ValueError, match="new rank 2 is outside 0..1"):
+        reshard_zero3_state(states, Z3, 2, 2)
+    with pytest.raises(ValueError, match="says it is rank 1 of 2"):
+        reshard_zero3_state(states[1:], Z3, 0, 2)
+    other = Zero3Layout(numels=(7, 300, 1, 64, 36), sub_groups=Z3.sub_groups, param_group_of=Z3.param_group_of,
+                        ds_order=Z3.ds_order)
+    with pytest.raises(ValueError, match="old rank 0's ZeRO-3 partitions hold 204 elements; the model's 5 "
+                                         "parameters need 205 per rank at 2 ranks"):
+        reshard_zero3_state(states, other, 0, 3)
+    del states[1]["scape"]
+    with pytest.raises(ValueError, match="some old ranks have SCAPE state and some none"):
+        reshard_zero3_state(states, Z3, 0, 3)
+    states, _ = _z3_states(2)
+    states[1]["scape"]["step"] = 6
+    with pytest.raises(ValueError, match=r"saved at different steps: \[5, 6\]"):
+        reshard_zero3_state(states, Z3, 0, 3)
+    states, _ = _z3_states(2)
+    states[1]["optimizer_state_dict"]["state"][2]["step"] = 4
+    with pytest.raises(ValueError, match="old rank 1's optimizer state differs from old rank 0's"):
+        reshard_zero3_state(states, Z3, 0, 3)
+
+
+def _write_zero3_tag(tmp_path, states, prefix="") -> str:
+    from collections import OrderedDict
+
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    for r, s in enumerate(states):
+        torch.save(dict(optimizer_state_dict=s), tag / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        shapes = [OrderedDict((f"p{i}", torch.Size([Z3.numels[i]])) for i in ids) for ids in ((0, 1), (2,), (3, 4))]
+        torch.save(dict(module={}, param_shapes=shapes, global_steps=5, frozen_param_fragments=None),
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+    return str(tag)
+
+
+def test_zero3_files_are_read_with_the_model_states_of_rank_0(tmp_path):
+    states, _ = _z3_states(2)
+    tag = _write_zero3_tag(tmp_path, states, prefix="bf16_")  # DeepSpeed's name for bf16 runs
+    assert saved_zero3_dp_size(tag) == 2
+    state, model = load_resharded_zero3(tag, Z3, 1, 3)
+    want = reshard_zero3_state(states, Z3, 1, 3)
+    assert model["global_steps"] == 5 and state["scape"]["rank"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(state["fp32_flat_groups"], want["fp32_flat_groups"]))
+    other = Zero3Layout(numels=(7, 300, 1, 64, 36), sub_groups=Z3.sub_groups, param_group_of=Z3.param_group_of,
+                        ds_order=Z3.ds_order)
+    with pytest.raises(ValueError, match=r"global_step5 holds 5 parameters of 405 elements, this model 5 of 408"):
+        load_resharded_zero3(tag, other, 0, 3)
+    path = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    model["frozen_param_fragments"] = {"w": torch.ones(2)}
+    torch.save(model, path)
+    with pytest.raises(ValueError, match="has frozen parameters: elastic ZeRO-3 resume supports trainable"):
+        load_resharded_zero3(tag, Z3, 0, 3)
+    os.remove(path)
+    with pytest.raises(ValueError, match="has no zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        load_resharded_zero3(tag, Z3, 0, 3)
+    (tmp_path / "global_step5" / "zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="saved with tensor or pipeline parallelism"):
+        saved_zero3_dp_size(tag)
