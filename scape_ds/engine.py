@@ -37,6 +37,21 @@ SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
 _ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 
 
+def skip_unused_cpu_ops() -> None:
+    """On DeepSpeed's CPU accelerator, mark its shared-memory all-reduce op (``deepspeed_shm_comm``)
+    as not buildable, so that starting DeepSpeed's comm backend does not JIT-compile it (1-3 minutes
+    on a 2-core machine, on every fresh machine). Only DeepSpeed's ``inference_all_reduce`` uses that
+    op, and without it that falls back to torch.distributed; training never calls it. No effect on
+    other accelerators or once the backend has started."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the dict DeepSpeed consults, kept per process
+
+
 def read_ds_config(config: str | dict | None = None, args: Any = None) -> dict:
     """The DeepSpeed config as a dict, from ``config`` (dict or JSON path) or ``args.deepspeed_config``.
 
@@ -107,6 +122,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """
     import deepspeed
 
+    skip_unused_cpu_ops()
     if config is None:
         config = config_params
     cfg = read_ds_config(config, args)

@@ -88,10 +88,16 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Route ``deepspeed.initialize`` calls whose config asks for SCAPE through ``scape_ds.initialize``.
 
-    Idempotent. Also replaces DeepSpeed's function in modules that imported it by name before.
+    Idempotent. Also replaces DeepSpeed's function in modules that imported it by name before. On
+    the CPU accelerator it also skips DeepSpeed's unused shared-memory op build
+    (:func:`scape_ds.engine.skip_unused_cpu_ops`), which accelerate's early comm start would trigger.
     """
     global _original
     import deepspeed
+
+    from .engine import skip_unused_cpu_ops
+
+    skip_unused_cpu_ops()
 
     with _lock:
         if _original is not None:

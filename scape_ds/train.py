@@ -132,8 +132,10 @@ def init_distributed(timeout_s: float) -> None:
     import deepspeed
     import torch
 
+    from scape_ds.engine import skip_unused_cpu_ops
     from scape_ds.spawn import free_port
 
+    skip_unused_cpu_ops()
     if "RANK" not in os.environ and not any(v in os.environ for v in _MPI_RANK_VARS):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))

@@ -291,6 +291,23 @@ def test_disk_full_during_save_is_one_line_and_keeps_previous(tmp_path):
     assert leftovers == [] and (tag, step, same) == ("global_step2", 2, True)
 
 
+def _worker_no_shm_build(rank, world_size, tmp_path):
+    _set_env(rank)
+    extensions = os.path.join(str(tmp_path), "extensions")
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions  # empty: any JIT build would land here
+    import deepspeed.comm
+
+    engine = _small_engine()
+    engine.step()
+    built = sorted(os.listdir(extensions)) if os.path.isdir(extensions) else []
+    return deepspeed.comm.comm.cdb.shm_comm_op is None, built
+
+
+def test_cpu_engine_skips_deepspeeds_unused_shm_op_build(tmp_path):
+    """scape_ds.initialize on CPU keeps DeepSpeed from JIT-compiling its inference-only shm op."""
+    assert run_ranks(_worker_no_shm_build, 1, tmp_path) == [(True, [])]
+
+
 # ---------------------------------------------------------------- refused combinations
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(zero_optimization={"stage": 2}), "ZeRO stage 2"),

@@ -156,7 +156,8 @@ def _worker_mpu(rank, world_size, tmp_path):
     model_parallel_seed(0)
     cfg = _ds_config(0.0)
     cfg.pop("scape")
-    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}  # DeepSpeed's own engine, all-reduce and clipping
+    # DeepSpeed's own engine, all-reduce and clipping; torch's AdamW, not the fused op it would JIT-build here
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
     engine, *_ = scape_ds.initialize(model=model, config=cfg, mpu=mpu)
     losses = []
     for step in range(4):
