@@ -367,13 +367,17 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None) ->
             mean_loss = _train_step(setup, train_data, args, step, device)
             step_time = time.perf_counter() - t0
             if opt is not None:
-                sent, dense = int(opt.comm_stats["bytes_sent"]), int(opt.comm_stats["bytes_dense"])
-            else:
-                sent = dense = dense_bytes
+                stats = opt.comm_stats
+                sent, dense = int(stats["bytes_sent"]), int(stats["bytes_dense"])
+                inter, intra = int(stats["bytes_inter"]), int(stats["bytes_intra"])
+            else:  # a dense baseline does not know the topology: every byte counts as inter-node
+                sent = dense = inter = dense_bytes
+                intra = 0
             sent_total += sent
             dense_total += dense
             record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent,
-                          bytes_dense=dense, tokens_per_s=tokens_per_step / step_time)
+                          bytes_dense=dense, bytes_inter=inter, bytes_intra=intra,
+                          tokens_per_s=tokens_per_step / step_time)
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.train_iters:
                 val_loss = record["val_loss"] = evaluate(setup, val_data, args, device)
             losses.append(mean_loss)
