@@ -36,7 +36,9 @@ traffic is unshaped, only inter-node traffic crosses the links) and compares hie
 (``"hierarchy": "node"``) with flat SCAPE at 0.9 and 0.99, dense AdamW and the compute floor. The
 SCAPE rows refresh every ``--refresh-every`` steps so that sparse and refresh steps are both timed
 (medians of each); the period mean is ((T-1) sparse + 1 refresh) / T for T = ``--period`` (the
-default T = 100). Writes ``bench/step_time_hier_results.json`` and ``bench/step_time_hier.png``.
+default T = 100). The rows are interleaved (``--interleave``: every engine is built first, then step s
+of every row, compute floor included, runs before step s + 1), so that load from other jobs on a
+shared machine falls on every row alike. Writes ``bench/step_time_hier_results.json`` and ``bench/step_time_hier.png``.
 
 ``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
 the SCAPE stage 3 at 0.9 and 0.99 in both ``param_exchange`` modes. Bytes per step: what SCAPE's
@@ -119,15 +121,83 @@ class DeepSpeedAllGatherBytes:
             setattr(cdb, name, counted)
 
 
+class _Row:
+    """One optimizer config's engine and its timed steps (``worker``'s unit; built inside the ranks)."""
+
+    def __init__(self, name: str, args, shape: dict, batch, world: int):
+        import torch
+
+        import scape_ds
+        from scape_ds.comm import collective_bytes
+        from scape_ds.engine import scape_optimizer
+        from scape_ds.models import GPT, GPTConfig
+
+        extra = ROWS[name]
+        if args.refresh_every and "scape" in extra:  # --hier: refresh steps among the timed ones
+            extra = {**extra, "scape": {**extra["scape"], "mask_refresh_interval": args.refresh_every}}
+        self.name, self.batch, self.warmup = name, batch, args.warmup
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(**shape))
+        n_params = sum(p.numel() for p in self.model.parameters())
+        config = {**BASE, **extra, "train_micro_batch_size_per_gpu": args.micro_batch}
+        self.engine, *_ = scape_ds.initialize(model=self.model, config=config)
+        self.opt = scape_optimizer(self.engine)
+        self.dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
+        self.zero3 = "zero_optimization" in extra
+        if self.zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
+            self.dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
+                                   for p in self.engine.module.parameters())
+            self.fetched = DeepSpeedAllGatherBytes()
+        self.times, self.sent, self.gathered, self.kinds = [], [], [], []
+
+    def step(self, s: int) -> None:
+        import torch.distributed as dist
+
+        x, y = self.batch(s)
+        dist.barrier()
+        if self.zero3:
+            self.fetched.bytes = 0
+        t0 = time.perf_counter()
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        if s < self.warmup:
+            return
+        opt = self.opt
+        self.times.append(dt)
+        self.sent.append(int(opt.comm_stats["bytes_sent"]) if opt else self.dense_bytes)
+        stats = opt.comm_stats if opt else dict(dense_step=True, bytes_inter=self.dense_bytes, bytes_intra=0)
+        self.kinds.append((bool(stats["dense_step"]), int(stats.get("bytes_inter", self.sent[-1])),
+                           int(stats.get("bytes_intra", 0))))
+        if self.zero3:
+            self.gathered.append(self.fetched.bytes)
+
+    def result(self) -> dict:
+        if self.opt is not None:
+            self.opt.synchronize()
+        out = dict(step_s=statistics.median(self.times), bytes=statistics.median(self.sent),
+                   dense_bytes=self.dense_bytes)
+        for key, dense in (("sparse", False), ("refresh", True)):  # each kind of step on its own
+            picked = [(t, k) for t, k in zip(self.times, self.kinds) if k[0] == dense]
+            if picked:
+                out.update({f"{key}_s": statistics.median(t for t, _ in picked),
+                            f"{key}_inter": statistics.median(k[1] for _, k in picked),
+                            f"{key}_intra": statistics.median(k[2] for _, k in picked)})
+        if self.zero3:  # DeepSpeed's own all-gathers (0 under sparse_replica, whose all-gather SCAPE meters)
+            out.update(ds_allgather_bytes=statistics.median(self.gathered),
+                       total_bytes=statistics.median(a + b for a, b in zip(self.sent, self.gathered)))
+        if hasattr(self.opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
+            out["memory_bytes"] = self.opt.memory_bytes()
+        return out
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
 
-    import scape_ds
-    from scape_ds.comm import collective_bytes
     from scape_ds.data import build_datasets, get_batch
-    from scape_ds.engine import scape_optimizer
     from scape_ds.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
@@ -147,64 +217,35 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**shape))
     compute = []
-    for s in range(args.warmup + args.steps):
+
+    def compute_step(s):
         x, y = batch(s)
+        dist.barrier()
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         model(x, y)[1].backward()
         if s >= args.warmup:
             compute.append(time.perf_counter() - t0)
-    n_params = sum(p.numel() for p in model.parameters())
-    results = dict(compute_s=statistics.median(compute), n_params=n_params, rows={})
-    for name in args.rows.split(","):
-        extra = ROWS[name]
-        if args.refresh_every and "scape" in extra:  # --hier: refresh steps among the timed ones
-            extra = {**extra, "scape": {**extra["scape"], "mask_refresh_interval": args.refresh_every}}
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**shape))
-        engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra, "train_micro_batch_size_per_gpu": bs})
-        opt = scape_optimizer(engine)
-        dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
-        zero3 = "zero_optimization" in extra
-        if zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
-            dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
-                              for p in engine.module.parameters())
-            fetched = DeepSpeedAllGatherBytes()
-        times, sent, gathered, kinds = [], [], [], []
+
+    names = args.rows.split(",")
+    results = dict(n_params=sum(p.numel() for p in model.parameters()), rows={}, interleaved=args.interleave)
+    if args.interleave:  # every row's step s, then step s + 1: all rows see the same load from other jobs
+        rows = [_Row(name, args, shape, batch, world) for name in names]
         for s in range(args.warmup + args.steps):
-            x, y = batch(s)
-            dist.barrier()
-            if zero3:
-                fetched.bytes = 0
-            t0 = time.perf_counter()
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            dt = time.perf_counter() - t0
-            if s >= args.warmup:
-                times.append(dt)
-                sent.append(int(opt.comm_stats["bytes_sent"]) if opt else dense_bytes)
-                stats = opt.comm_stats if opt else dict(dense_step=True, bytes_inter=dense_bytes, bytes_intra=0)
-                kinds.append((bool(stats["dense_step"]), int(stats.get("bytes_inter", sent[-1])),
-                              int(stats.get("bytes_intra", 0))))
-                if zero3:
-                    gathered.append(fetched.bytes)
-        if opt is not None:
-            opt.synchronize()
-        results["rows"][name] = dict(step_s=statistics.median(times), bytes=statistics.median(sent),
-                                     dense_bytes=dense_bytes)
-        for key, dense in (("sparse", False), ("refresh", True)):  # each kind of step on its own
-            picked = [(t, k) for t, k in zip(times, kinds) if k[0] == dense]
-            if picked:
-                results["rows"][name].update({f"{key}_s": statistics.median(t for t, _ in picked),
-                                              f"{key}_inter": statistics.median(k[1] for _, k in picked),
-                                              f"{key}_intra": statistics.median(k[2] for _, k in picked)})
-        if zero3:  # DeepSpeed's own all-gathers (0 under sparse_replica, whose all-gather SCAPE meters)
-            results["rows"][name].update(ds_allgather_bytes=statistics.median(gathered),
-                                         total_bytes=statistics.median(a + b for a, b in zip(sent, gathered)))
-        if hasattr(opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
-            results["rows"][name]["memory_bytes"] = opt.memory_bytes()
-        del engine, opt, model
+            compute_step(s)
+            for row in rows:
+                row.step(s)
+        results["rows"] = {row.name: row.result() for row in rows}
+    else:  # one row after another, each engine freed before the next is built
+        for s in range(args.warmup + args.steps):
+            compute_step(s)
+        for name in names:
+            row = _Row(name, args, shape, batch, world)
+            for s in range(args.warmup + args.steps):
+                row.step(s)
+            results["rows"][name] = row.result()
+            del row
+    results["compute_s"] = statistics.median(compute)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -235,6 +276,8 @@ def run_setting(nodes: int, rate: str, args) -> dict:
                "--rows", ",".join(cluster_rows(args))]
         if args.refresh_every:
             cmd += ["--refresh-every", str(args.refresh_every)]
+        if args.interleave:
+            cmd += ["--interleave"]
         # its default port, inside namespaces it has just made; G ranks per node share its namespace
         with Cluster(nodes, rate, args.delay, ranks_per_node=args.ranks_per_node) as c:
             env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
@@ -439,6 +482,9 @@ def main() -> int:
                     help="cluster run: hierarchical vs flat SCAPE, sparse and refresh steps timed apart")
     ap.add_argument("--ranks-per-node", type=int, default=1, help="G ranks sharing each node's namespace")
     ap.add_argument("--refresh-every", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every row's engine first, then time step s of every row before step s+1 "
+                         "(the same load from other jobs on every row; the default with --hier)")
     ap.add_argument("--period", type=int, default=100, help="--hier: T of the period mean")
     ap.add_argument("--out", default=None, help="results JSON (default bench/step_time_results.json, "
                                                 "bench/step_time_hier_results.json with --hier)")
@@ -454,6 +500,7 @@ def main() -> int:
     if args.hier:
         args.rows = ",".join(HIER_ROWS)
         args.refresh_every = args.refresh_every or 4
+        args.interleave = True
     if args.worker:
         worker(args)
         return 0
