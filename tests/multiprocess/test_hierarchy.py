@@ -2,6 +2,8 @@
 error feedback, resume, bytes and memory, all in one spawned world (docs/design.md, Hierarchical SCAPE)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -171,15 +173,37 @@ def _check_sparse(rank, world_size, tmp_path):
                 k=opt._groups[0].active_local.numel())
 
 
+def _check_split_of_tp_groups(rank, world_size):
+    """Two data-parallel groups {0, 2} and {1, 3} (as under TP2), nodes from LOCAL_WORLD_SIZE = 2 (global
+    ranks {0, 1} and {2, 3}): each group splits into one rank per node, two nodes; a step keeps replicas."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    cfg = parse_scape_config(dict(sparsity=0.99, chunk_size=C, dense_numel_threshold=1024, hierarchy="node"))
+    comm, intra = build_dp_communicators(cfg, groups[rank % 2])
+    model = make_mlp(seed=5)
+    opt = ScapeAdamS(model.parameters(), **HP, scape=cfg, comm=comm, intra_comm=intra)
+    for step in range(3):
+        opt.zero_grad()
+        _backward(model, step, rank)
+        opt.step()
+    opt.synchronize()
+    return (comm.world_size, intra.world_size, comm.rank), flat_params(model)
+
+
 def _worker(rank, world_size, tmp_path):
+    split, params = _check_split_of_tp_groups(rank, world_size)
     return dict(zero=_check_sparsity_zero(rank, world_size), g1=_check_g1_equals_flat(rank, world_size),
-                sparse=_check_sparse(rank, world_size, tmp_path))
+                sparse=_check_sparse(rank, world_size, tmp_path), split=split, split_params=params)
 
 
 def test_hierarchical_scape_two_nodes_of_two(tmp_path):
     results = run_ranks(_worker, G * M, tmp_path)
     assert max(r["zero"] for r in results) <= 1e-12, [r["zero"] for r in results]  # fp64: exact but rounding
     assert all(r["g1"] for r in results), "hierarchy 'node' with G=1 differs from flat SCAPE"
+    # TP-like data-parallel groups {0, 2}, {1, 3}: nodes of one rank each, node 0 then node 1
+    assert [r["split"] for r in results] == [(2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1)]
+    assert torch.equal(results[0]["split_params"], results[2]["split_params"])
+    assert torch.equal(results[1]["split_params"], results[3]["split_params"])
     for r in results:
         s = r["sparse"]
         assert s["replicas_equal"], "replicas differ after a step"
