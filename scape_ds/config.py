@@ -82,7 +82,8 @@ class ScapeConfig(BaseModel):
     intra_node_size: int | None = None
     """G, data-parallel ranks per node, for ``hierarchy="node"``: consecutive blocks of G ranks of the
     data-parallel group form a node. ``None``: from the launcher (ranks ``g`` and ``g'`` share a node
-    when ``g // LOCAL_WORLD_SIZE`` agree; under ``comm_backend="mpi"`` MPI's shared-memory split)."""
+    when ``g // LOCAL_WORLD_SIZE`` agree, or DeepSpeed's ``LOCAL_SIZE``, or MPI's; under
+    ``comm_backend="mpi"`` MPI's shared-memory split)."""
 
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""

@@ -4,11 +4,12 @@
 communicator over the data-parallel group and ``None``; for ``"node"`` the communicator over the
 *cross-node* group of this rank's local rank l (rank l of every node, in node order) and the one
 over its *node* group (the node's data-parallel ranks, in data-parallel order). Which ranks share a
-node: consecutive blocks of ``scape.intra_node_size`` data-parallel ranks, else the launcher's
-``LOCAL_WORLD_SIZE`` (global ranks ``g // LOCAL_WORLD_SIZE`` alike), else under
-``comm_backend="mpi"`` MPI's shared-memory split. With tensor or pipeline parallelism there are
-several data-parallel groups; each is split alike, and every rank takes part in creating every
-torch.distributed group (``dist.new_group`` is collective over the world).
+node: consecutive blocks of ``scape.intra_node_size`` data-parallel ranks; else, under
+``comm_backend="mpi"``, MPI's shared-memory split; else the launcher's ranks per node
+(``LOCAL_WORLD_SIZE`` and the others of :data:`LOCAL_SIZE_VARS`: global ranks ``g // size`` alike).
+With tensor or pipeline parallelism there are several data-parallel groups; each is split alike,
+and every rank takes part in creating every torch.distributed group (``dist.new_group`` is
+collective over the world).
 """
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from typing import Sequence
 
 from .base import Communicator
 
-__all__ = ["build_dp_communicators", "split_by_node"]
+__all__ = ["build_dp_communicators", "split_by_node", "LOCAL_SIZE_VARS"]
+
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+"""Where launchers put the ranks per node: torchrun (and launch/cluster.py), DeepSpeed's launcher,
+MPICH's hydra, Open MPI. Ranks are placed on nodes in blocks (global rank // ranks per node)."""
 
 
 def split_by_node(dp_ranks: Sequence[int], node_keys: Sequence) -> tuple[list[list[int]], list[list[int]]]:
@@ -56,10 +61,11 @@ def _node_key(cfg, global_rank: int):
         key = shared.allreduce(world.Get_rank(), op=MPI.MIN)
         shared.Free()
         return key
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if not local:
+    local = next((os.environ[v] for v in LOCAL_SIZE_VARS if os.environ.get(v)), None)
+    if local is None:
         raise ValueError("scape.hierarchy 'node' needs the ranks per node: set scape.intra_node_size, or start "
-                         "with a launcher that sets LOCAL_WORLD_SIZE (deepspeed, torchrun)")
+                         f"with a launcher that sets one of {', '.join(LOCAL_SIZE_VARS)} (torchrun, deepspeed, "
+                         "mpiexec)")
     return global_rank // int(local)
 
 
