@@ -260,6 +260,9 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
     kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
         else type(setup.engine.optimizer).__name__
     stage3 = is_scape_stage3(opt)
+    intra = getattr(opt, "intra_comm", None)
+    if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics
+        kind += f", hierarchy node ({intra.world_size} ranks per node x {opt.comm.world_size} nodes)"
     if stage3 and opt.replica:
         kind += (" under ZeRO-3, sparse_replica (bytes: gradient reduce-scatter + masks + parameter all-gather"
                  " vs ZeRO-3's dense reduce-scatter + all-gather)")
