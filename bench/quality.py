@@ -40,8 +40,9 @@ refresh sweep at 0.99 ``scape99_T10 scape99_T50 scape99_T200 scape99_sparse_T1 s
 learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3), with the refresh sweep
 repeated at lr 1e-3 (T=10, 25, 50, 100, 200; sparse refresh T=1, 10), random-k at 0.99 and SCAPE 0.95.
 Higher lrs (``lr_high``): dense AdamW at 6e-3, SCAPE 0.9 and 0.99 at 4.5e-3, 6e-3 and 1e-2, 0.99 T=50 at 6e-3.
+Hierarchical: ``scape99_hier`` (``hierarchy "node"``, 2 ranks per node; ``--runs scape99,scape99_hier --ranks 4``).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``all``.
+``hier``, ``all``.
 """
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ RUNS: dict[str, tuple] = {
     "scape90_lr4.5e-3": ("SCAPE 0.9, T=100, lr 4.5e-3", "scape.json", dict(sparsity=0.9), dict(lr=4.5e-3)),
     "scape99_lr4.5e-3": ("SCAPE 0.99, T=100, lr 4.5e-3", "scape.json", {}, dict(lr=4.5e-3)),
     "scape99_T50_lr6e-3": ("SCAPE 0.99, T=50, lr 6e-3", "scape.json", dict(mask_refresh_interval=50), dict(lr=6e-3)),
+    # hierarchical SCAPE (dense inside a node of 2 ranks, sparse across nodes): run with --ranks 4 for
+    # 2 nodes x 2, next to scape99 at --ranks 4
+    "scape99_hier": ("SCAPE 0.99, T=100, hierarchy node (2 ranks per node)", "scape.json",
+                     dict(hierarchy="node", intra_node_size=2)),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -110,8 +115,9 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
                "scape99_sparse_T10_lr1e-3", "randk99_lr1e-3", "scape95_lr1e-3"]
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
+HIER = ["scape99_hier"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "all": list(RUNS)}
+          "hier": HIER, "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.

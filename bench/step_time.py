@@ -29,6 +29,17 @@ and adds SCAPE 0.9 and 0.99 over the mpi4py backend, each timed in the same job 
 on this machine's loopback (no shaping) and times
 SCAPE 0.9 and 0.99 with ``comm_backend`` "torch" (gloo) and "mpi" (mpi4py) side by side in the
 same processes, for the MPI-vs-torch step-time ratio. Writes ``bench/mpi_vs_torch_results.json``.
+    sudo python bench/step_time.py --hier --nodes 2 --ranks-per-node 2 --rates 1gbit --micro-batch 1
+
+``--hier`` runs G = ``--ranks-per-node`` ranks per node (they share the node's namespace: their
+traffic is unshaped, only inter-node traffic crosses the links) and compares hierarchical SCAPE
+(``"hierarchy": "node"``) with flat SCAPE at 0.9 and 0.99, dense AdamW and the compute floor. The
+SCAPE rows refresh every ``--refresh-every`` steps so that sparse and refresh steps are both timed
+(medians of each); the period mean is ((T-1) sparse + 1 refresh) / T for T = ``--period`` (the
+default T = 100). The rows are interleaved (``--interleave``: every engine is built first, then step s
+of every row, compute floor included, runs before step s + 1), so that load from other jobs on a
+shared machine falls on every row alike. Writes ``bench/step_time_hier_results.json`` and ``bench/step_time_hier.png``.
+
 ``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
 the SCAPE stage 3 at 0.9 and 0.99 in both ``param_exchange`` modes. Bytes per step: what SCAPE's
 meter counts (gradient reduce-scatter, masks, and under sparse_replica the parameter all-gather;
@@ -79,7 +90,11 @@ ROWS.update({
                                   "scape": {"sparsity": 0.99, "mask_refresh_interval": 100,
                                             "param_exchange": "sparse_replica"}},
 })
+ROWS.update({f"SCAPE {s} hier": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                                  "scape": {"sparsity": s, "mask_refresh_interval": 100, "hierarchy": "node"}}
+             for s in (0.9, 0.99)})
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
+HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
               "SCAPE ZeRO-3 0.99 replica"]
 MPI_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 (mpi)", "SCAPE 0.99", "SCAPE 0.99 (mpi)"]
@@ -106,15 +121,83 @@ class DeepSpeedAllGatherBytes:
             setattr(cdb, name, counted)
 
 
+class _Row:
+    """One optimizer config's engine and its timed steps (``worker``'s unit; built inside the ranks)."""
+
+    def __init__(self, name: str, args, shape: dict, batch, world: int):
+        import torch
+
+        import scape_ds
+        from scape_ds.comm import collective_bytes
+        from scape_ds.engine import scape_optimizer
+        from scape_ds.models import GPT, GPTConfig
+
+        extra = ROWS[name]
+        if args.refresh_every and "scape" in extra:  # --hier: refresh steps among the timed ones
+            extra = {**extra, "scape": {**extra["scape"], "mask_refresh_interval": args.refresh_every}}
+        self.name, self.batch, self.warmup = name, batch, args.warmup
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(**shape))
+        n_params = sum(p.numel() for p in self.model.parameters())
+        config = {**BASE, **extra, "train_micro_batch_size_per_gpu": args.micro_batch}
+        self.engine, *_ = scape_ds.initialize(model=self.model, config=config)
+        self.opt = scape_optimizer(self.engine)
+        self.dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
+        self.zero3 = "zero_optimization" in extra
+        if self.zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
+            self.dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
+                                   for p in self.engine.module.parameters())
+            self.fetched = DeepSpeedAllGatherBytes()
+        self.times, self.sent, self.gathered, self.kinds = [], [], [], []
+
+    def step(self, s: int) -> None:
+        import torch.distributed as dist
+
+        x, y = self.batch(s)
+        dist.barrier()
+        if self.zero3:
+            self.fetched.bytes = 0
+        t0 = time.perf_counter()
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        if s < self.warmup:
+            return
+        opt = self.opt
+        self.times.append(dt)
+        self.sent.append(int(opt.comm_stats["bytes_sent"]) if opt else self.dense_bytes)
+        stats = opt.comm_stats if opt else dict(dense_step=True, bytes_inter=self.dense_bytes, bytes_intra=0)
+        self.kinds.append((bool(stats["dense_step"]), int(stats.get("bytes_inter", self.sent[-1])),
+                           int(stats.get("bytes_intra", 0))))
+        if self.zero3:
+            self.gathered.append(self.fetched.bytes)
+
+    def result(self) -> dict:
+        if self.opt is not None:
+            self.opt.synchronize()
+        out = dict(step_s=statistics.median(self.times), bytes=statistics.median(self.sent),
+                   dense_bytes=self.dense_bytes)
+        for key, dense in (("sparse", False), ("refresh", True)):  # each kind of step on its own
+            picked = [(t, k) for t, k in zip(self.times, self.kinds) if k[0] == dense]
+            if picked:
+                out.update({f"{key}_s": statistics.median(t for t, _ in picked),
+                            f"{key}_inter": statistics.median(k[1] for _, k in picked),
+                            f"{key}_intra": statistics.median(k[2] for _, k in picked)})
+        if self.zero3:  # DeepSpeed's own all-gathers (0 under sparse_replica, whose all-gather SCAPE meters)
+            out.update(ds_allgather_bytes=statistics.median(self.gathered),
+                       total_bytes=statistics.median(a + b for a, b in zip(self.sent, self.gathered)))
+        if hasattr(self.opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
+            out["memory_bytes"] = self.opt.memory_bytes()
+        return out
+
+
 def worker(args) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
 
-    import scape_ds
-    from scape_ds.comm import collective_bytes
     from scape_ds.data import build_datasets, get_batch
-    from scape_ds.engine import scape_optimizer
     from scape_ds.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
@@ -134,53 +217,35 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**shape))
     compute = []
-    for s in range(args.warmup + args.steps):
+
+    def compute_step(s):
         x, y = batch(s)
+        dist.barrier()
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         model(x, y)[1].backward()
         if s >= args.warmup:
             compute.append(time.perf_counter() - t0)
-    n_params = sum(p.numel() for p in model.parameters())
-    results = dict(compute_s=statistics.median(compute), n_params=n_params, rows={})
-    for name in args.rows.split(","):
-        extra = ROWS[name]
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**shape))
-        engine, *_ = scape_ds.initialize(model=model, config={**BASE, **extra, "train_micro_batch_size_per_gpu": bs})
-        opt = scape_optimizer(engine)
-        dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
-        zero3 = "zero_optimization" in extra
-        if zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
-            dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
-                              for p in engine.module.parameters())
-            fetched = DeepSpeedAllGatherBytes()
-        times, sent, gathered = [], [], []
+
+    names = args.rows.split(",")
+    results = dict(n_params=sum(p.numel() for p in model.parameters()), rows={}, interleaved=args.interleave)
+    if args.interleave:  # every row's step s, then step s + 1: all rows see the same load from other jobs
+        rows = [_Row(name, args, shape, batch, world) for name in names]
         for s in range(args.warmup + args.steps):
-            x, y = batch(s)
-            dist.barrier()
-            if zero3:
-                fetched.bytes = 0
-            t0 = time.perf_counter()
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            dt = time.perf_counter() - t0
-            if s >= args.warmup:
-                times.append(dt)
-                sent.append(int(opt.comm_stats["bytes_sent"]) if opt else dense_bytes)
-                if zero3:
-                    gathered.append(fetched.bytes)
-        if opt is not None:
-            opt.synchronize()
-        results["rows"][name] = dict(step_s=statistics.median(times), bytes=statistics.median(sent),
-                                     dense_bytes=dense_bytes)
-        if zero3:  # DeepSpeed's own all-gathers (0 under sparse_replica, whose all-gather SCAPE meters)
-            results["rows"][name].update(ds_allgather_bytes=statistics.median(gathered),
-                                         total_bytes=statistics.median(a + b for a, b in zip(sent, gathered)))
-        if hasattr(opt, "memory_bytes"):  # the SCAPE stage 3: what it holds beyond ZeRO-3
-            results["rows"][name]["memory_bytes"] = opt.memory_bytes()
-        del engine, opt, model
+            compute_step(s)
+            for row in rows:
+                row.step(s)
+        results["rows"] = {row.name: row.result() for row in rows}
+    else:  # one row after another, each engine freed before the next is built
+        for s in range(args.warmup + args.steps):
+            compute_step(s)
+        for name in names:
+            row = _Row(name, args, shape, batch, world)
+            for s in range(args.warmup + args.steps):
+                row.step(s)
+            results["rows"][name] = row.result()
+            del row
+    results["compute_s"] = statistics.median(compute)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -190,6 +255,8 @@ def worker(args) -> None:
 def cluster_rows(args) -> list[str]:
     """The cluster run's rows; ``--mpi`` adds SCAPE 0.9 and 0.99 over the mpi4py backend, ``--zero3`` dense
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
+    if args.hier:
+        return list(HIER_ROWS)
     rows = list(CLUSTER_ROWS)
     if args.mpi:
         rows += ["SCAPE 0.9 (mpi)", "SCAPE 0.99 (mpi)"]
@@ -207,7 +274,12 @@ def run_setting(nodes: int, rate: str, args) -> dict:
                "--warmup", str(args.warmup), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
                "--n-head", str(args.n_head), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                "--rows", ",".join(cluster_rows(args))]
-        with Cluster(nodes, rate, args.delay) as c:  # its default port, inside namespaces it has just made
+        if args.refresh_every:
+            cmd += ["--refresh-every", str(args.refresh_every)]
+        if args.interleave:
+            cmd += ["--interleave"]
+        # its default port, inside namespaces it has just made; G ranks per node share its namespace
+        with Cluster(nodes, rate, args.delay, ranks_per_node=args.ranks_per_node) as c:
             env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
             # --mpi: MPI starts the ranks inside the nodes (both backends then run in the same job)
             procs = [c.launch_mpi(cmd, env=env, stderr=err)] if args.mpi else c.launch(cmd, env=env, stderr=err)
@@ -218,8 +290,65 @@ def run_setting(nodes: int, rate: str, args) -> dict:
         with open(out) as f:
             res = json.load(f)
     res.update(nodes=nodes, rate=rate, rate_bits=parse_rate_bits(rate), delay=args.delay, delay_applied=delay_applied,
-               launcher="mpiexec" if args.mpi else "cluster", micro_batch=args.micro_batch, seq_len=args.seq_len)
+               launcher="mpiexec" if args.mpi else "cluster", micro_batch=args.micro_batch, seq_len=args.seq_len,
+               ranks_per_node=args.ranks_per_node, refresh_every=args.refresh_every)
     return res
+
+
+def period_s(row: dict, period: int) -> float:
+    """Mean step time over one refresh period of ``period`` steps: T-1 sparse steps and one refresh
+    (a row without both kinds, dense AdamW: its median step)."""
+    if "sparse_s" not in row or "refresh_s" not in row:
+        return row["step_s"]
+    return ((period - 1) * row["sparse_s"] + row["refresh_s"]) / period
+
+
+def hier_report(all_res: list[dict], period: int) -> str:
+    """The --hier table: sparse and refresh steps, the period mean, bytes by link, against flat and the floor."""
+    lines = [f"| nodes x ranks | link | row | sparse step ms | refresh step ms | period mean ms (T={period}) | "
+             "MB inter-node / sparse step | MB inter-node / refresh | MB intra-node / sparse step | "
+             "refresh vs flat | period vs flat | period / compute floor |", "|" + "---|" * 12]
+    for res in all_res:
+        rows = res["rows"]
+        for name, r in rows.items():
+            flat = rows.get(name.replace(" hier", "")) if name.endswith(" hier") else None
+            refresh = f"{r['refresh_s'] * 1e3:.0f}" if "refresh_s" in r else ""
+            sparse = f"{r['sparse_s'] * 1e3:.0f}" if "sparse_s" in r else f"{r['step_s'] * 1e3:.0f}"
+            vs_refresh = f"{flat['refresh_s'] / r['refresh_s']:.2f}x faster" if flat and "refresh_s" in r else ""
+            vs_period = f"{period_s(r, period) / period_s(flat, period):.2f}" if flat else ""
+            inter_sparse = r.get("sparse_inter", r["bytes"])
+            lines.append(f"| {res['nodes']} x {res.get('ranks_per_node', 1)} | {res['rate']} | {name} | {sparse} | "
+                         f"{refresh} | {period_s(r, period) * 1e3:.0f} | {inter_sparse / 1e6:.2f} | "
+                         f"{r.get('refresh_inter', r['bytes']) / 1e6:.2f} | {r.get('sparse_intra', 0) / 1e6:.2f} | "
+                         f"{vs_refresh} | {vs_period} | {period_s(r, period) / res['compute_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def hier_plot(all_res: list[dict], period: int, path: str) -> None:
+    """Bars per row: sparse step, refresh step, period mean; the compute floor as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(all_res), figsize=(7 * len(all_res), 4.5), squeeze=False)
+    for ax, res in zip(axes[0], all_res):
+        names = list(res["rows"])
+        rows = [res["rows"][n] for n in names]
+        x = range(len(names))
+        for i, (label, values) in enumerate((
+                ("sparse step", [r.get("sparse_s", r["step_s"]) for r in rows]),
+                ("refresh step", [r.get("refresh_s", r["step_s"]) for r in rows]),
+                (f"period mean (T={period})", [period_s(r, period) for r in rows]))):
+            ax.bar([j + (i - 1) * 0.27 for j in x], [v * 1e3 for v in values], 0.27, label=label)
+        ax.axhline(res["compute_s"] * 1e3, color="k", ls=":", label="compute floor")
+        ax.set_xticks(list(x), names, rotation=20, fontsize=8)
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{res['nodes']} nodes x {res.get('ranks_per_node', 1)} ranks, {res['rate']} links")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report(all_res: list[dict]) -> str:
@@ -349,7 +478,16 @@ def main() -> int:
     ap.add_argument("--zero3", action="store_true", help="cluster run: add the ZeRO-3 rows")
     ap.add_argument("--mpi", action="store_true",
                     help="cluster run: start the ranks with mpiexec inside the nodes and add the mpi-backend rows")
-    ap.add_argument("--out", default=os.path.join(REPO, "bench", "step_time_results.json"))
+    ap.add_argument("--hier", action="store_true",
+                    help="cluster run: hierarchical vs flat SCAPE, sparse and refresh steps timed apart")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="G ranks sharing each node's namespace")
+    ap.add_argument("--refresh-every", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every row's engine first, then time step s of every row before step s+1 "
+                         "(the same load from other jobs on every row; the default with --hier)")
+    ap.add_argument("--period", type=int, default=100, help="--hier: T of the period mean")
+    ap.add_argument("--out", default=None, help="results JSON (default bench/step_time_results.json, "
+                                                "bench/step_time_hier_results.json with --hier)")
     ap.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     ap.add_argument("--mpi-loopback", action="store_true", help="MPI vs torch backend under mpiexec on loopback")
     ap.add_argument("--zero3-loopback", action="store_true", help="dense ZeRO-3 vs SCAPE stage 3 on loopback")
@@ -357,6 +495,12 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", default=",".join(CLUSTER_ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.out is None:
+        args.out = os.path.join(REPO, "bench", "step_time_hier_results.json" if args.hier else "step_time_results.json")
+    if args.hier:
+        args.rows = ",".join(HIER_ROWS)
+        args.refresh_every = args.refresh_every or 4
+        args.interleave = True
     if args.worker:
         worker(args)
         return 0
@@ -367,6 +511,10 @@ def main() -> int:
     if args.replot:
         with open(args.out) as f:
             all_res = json.load(f)
+        if args.hier:
+            print(hier_report(all_res, args.period))
+            hier_plot(all_res, args.period, args.out.replace("_results.json", ".png"))
+            return 0
         print(report(all_res))
         plot(all_res, os.path.join(os.path.dirname(args.out), "step_time.png"))
         return 0
@@ -381,9 +529,16 @@ def main() -> int:
         for rate in args.rates.split(","):
             print(f"-- {nodes} nodes, {rate} ...", flush=True)
             all_res.append(run_setting(nodes, rate, args))
-            print(report(all_res[-1:]), flush=True)
+            print(hier_report(all_res[-1:], args.period) if args.hier else report(all_res[-1:]), flush=True)
     with open(args.out, "w") as f:
         json.dump(all_res, f, indent=1)
+    if args.hier:
+        print(hier_report(all_res, args.period))
+        png = args.out.replace("_results.json", ".png")
+        hier_plot(all_res, args.period, png)
+        print(f"compute (no exchange) per step: {all_res[0]['compute_s'] * 1e3:.0f} ms; "
+              f"results: {args.out}, plot: {png}")
+        return 0
     print(report(all_res))
     png = os.path.join(os.path.dirname(args.out), "step_time.png")
     plot(all_res, png)

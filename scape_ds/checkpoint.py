@@ -207,7 +207,11 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
             problems.append(str(e))
         opt = None
     saved_dp = _saved_dp_size(tag_dir, problems) if opt is not None else None
-    if saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
+    if saved_dp is not None and saved_dp != opt.comm.world_size and opt.cfg.hierarchy != "flat":
+        problems.append(f"{tag} was saved on {saved_dp} data-parallel (cross-node) ranks and this run has "
+                        f"{opt.comm.world_size}: elastic resume is not supported with scape.hierarchy "
+                        f"{opt.cfg.hierarchy!r}")
+    elif saved_dp is not None and saved_dp != opt.comm.world_size:  # elastic: re-shard in memory
         try:
             scape_state = load_resharded_state(tag_dir, opt.comm.rank, opt.comm.world_size, opt.cfg.chunk_size)
         except ValueError as e:

@@ -13,8 +13,11 @@ kernel has sch_netem; otherwise a warning, and bandwidth shaping only). Traffic 
 therefore crosses two shaped links, like two NICs through a switch.
 
 The command runs once per rank, inside its node's namespace, with the torch.distributed variables
-set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR = node 0, MASTER_PORT) and GLOO_SOCKET_IFNAME=eth0,
-so gloo binds to the shaped interface.
+set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = node 0, MASTER_PORT) and
+GLOO_SOCKET_IFNAME=eth0, so gloo binds to the shaped interface. With ``--ranks-per-node G`` the G
+ranks of a node share its namespace and its address: traffic between them takes the namespace's
+local route, unshaped (a node's fast interconnect), and only traffic between nodes crosses the
+shaped links; LOCAL_WORLD_SIZE = G tells ``scape.hierarchy "node"`` which ranks share a node.
 
 With ``--mpi`` the ranks are MPI's instead: MPICH's ``mpiexec`` (hydra, from the ``mpi`` extra) runs
 in node 0's namespace with the nodes' addresses as its hosts, and starts its proxy on every node
@@ -328,7 +331,8 @@ class Cluster:
     # -- running ranks ------------------------------------------------------------------------
     def rank_env(self, rank: int, extra: dict | None = None) -> dict:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world_size),
-                   LOCAL_RANK=str(rank % self.ranks_per_node), MASTER_ADDR=self.ip(0),
+                   LOCAL_RANK=str(rank % self.ranks_per_node), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
+                   MASTER_ADDR=self.ip(0),
                    MASTER_PORT=str(self.master_port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
                    SCAPE_CLUSTER_NODE=str(rank // self.ranks_per_node), **{MARKER: self.tag})
         env.update(extra or {})

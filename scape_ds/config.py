@@ -71,6 +71,20 @@ class ScapeConfig(BaseModel):
     largest value (fp32: 5e-7); 200 steps of the small GPT ended at the same loss. Stage 0/1
     (ScapeAdamS) only."""
 
+    hierarchy: Literal["flat", "node"] = "flat"
+    """``flat``: one sparse exchange over the whole data-parallel group. ``node``: dense inside a node,
+    sparse across nodes (docs/design.md, Hierarchical SCAPE): a dense reduce-scatter over the node's
+    G ranks gives local rank l the node sum of slice l (N/G elements), SCAPE exchanges slice l over
+    the group of local rank l on every node, and a packed all-gather inside the node restores every
+    copy. Error feedback is then N/G per rank and inter-node bytes drop by G or more. ZeRO stage 0/1
+    only (ScapeAdamS)."""
+
+    intra_node_size: int | None = None
+    """G, data-parallel ranks per node, for ``hierarchy="node"``: consecutive blocks of G ranks of the
+    data-parallel group form a node. ``None``: from the launcher (ranks ``g`` and ``g'`` share a node
+    when ``g // LOCAL_WORLD_SIZE`` agree, or DeepSpeed's ``LOCAL_SIZE``, or MPI's; under
+    ``comm_backend="mpi"`` MPI's shared-memory split)."""
+
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
 
@@ -105,8 +119,17 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"must be >= 0, got {v}")
         return v
 
+    @field_validator("intra_node_size")
+    @classmethod
+    def _check_intra_node_size(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be an integer >= 1 (or null: from the launcher), got {v}")
+        return v
+
     @model_validator(mode="after")
     def _check_combination(self) -> "ScapeConfig":
+        if self.intra_node_size is not None and self.hierarchy == "flat":
+            raise ValueError("intra_node_size is for hierarchy='node'; set hierarchy to 'node' or drop it")
         if self.compressor == "topk" and not self.dense_refresh:
             raise ValueError(
                 "compressor='topk' selects from the reduced gradient of a dense refresh step: "

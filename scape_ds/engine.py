@@ -188,11 +188,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             if grid is not None:
                 has_norm_group = hasattr(grid, "get_norm_group")
                 norm_group = grid.get_norm_group() if has_norm_group else grid.get_model_parallel_group()
-            from .comm import build_communicator
+            from .comm import build_dp_communicators
 
-            comm = build_communicator(scape_cfg.comm_backend, group)
+            # flat: (data-parallel, None); hierarchy "node": (cross-node, node) groups of the data-parallel group
+            comm, intra_comm = build_dp_communicators(scape_cfg, group)
             return ScapeAdamS(params, **opt_kwargs, scape=scape_cfg, comm=comm, max_grad_norm=max_grad_norm,
-                              norm_group=norm_group)
+                              norm_group=norm_group, intra_comm=intra_comm)
     else:
         def build_optimizer(params):
             return AdamS(params, **opt_kwargs)

@@ -267,6 +267,9 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
     kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
         else type(setup.engine.optimizer).__name__
     stage3 = is_scape_stage3(opt)
+    intra = getattr(opt, "intra_comm", None)
+    if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics
+        kind += f", hierarchy node ({intra.world_size} ranks per node x {opt.comm.world_size} nodes)"
     if stage3 and opt.replica:
         kind += (" under ZeRO-3, sparse_replica (bytes: gradient reduce-scatter + masks + parameter all-gather"
                  " vs ZeRO-3's dense reduce-scatter + all-gather)")
@@ -380,13 +383,17 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
             mean_loss = _train_step(setup, train_data, args, step, device)
             step_time = time.perf_counter() - t0
             if opt is not None:
-                sent, dense = int(opt.comm_stats["bytes_sent"]), int(opt.comm_stats["bytes_dense"])
-            else:
-                sent = dense = dense_bytes
+                stats = opt.comm_stats
+                sent, dense = int(stats["bytes_sent"]), int(stats["bytes_dense"])
+                inter, intra = int(stats["bytes_inter"]), int(stats["bytes_intra"])
+            else:  # a dense baseline does not know the topology: every byte counts as inter-node
+                sent = dense = inter = dense_bytes
+                intra = 0
             sent_total += sent
             dense_total += dense
             record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent,
-                          bytes_dense=dense, tokens_per_s=tokens_per_step / step_time)
+                          bytes_dense=dense, bytes_inter=inter, bytes_intra=intra,
+                          tokens_per_s=tokens_per_step / step_time)
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.train_iters:
                 watch.phase = f"validation at step {step + 1}"
                 val_loss = record["val_loss"] = evaluate(setup, val_data, args, device)

@@ -96,6 +96,10 @@ def check_stage3_config(cfg: dict) -> None:
     refused = refused_settings(cfg, 3)
     if refused:
         raise ValueError(refusal_message(refused, 3))
+    hierarchy = (cfg.get("scape") or {}).get("hierarchy", "flat")
+    if hierarchy != "flat":
+        raise ValueError(f"scape.hierarchy {hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
+                         f"(ScapeAdamS) for the hierarchical exchange, or hierarchy 'flat' under stage 3")
 
 
 _EVERYTHING = sys.maxsize

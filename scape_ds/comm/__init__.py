@@ -9,13 +9,15 @@ metered the same way, for byte counts and single-process tests.
 from __future__ import annotations
 
 from .base import Communicator, Work
+from .hierarchy import build_dp_communicators
 from .meter import ByteMeter, collective_bytes
 from .mpi_comm import MPICommunicator, mpi_available
 from .sim import SimulatedCommunicator
 from .torch_comm import TorchCommunicator, collective_device
 
 __all__ = ["Communicator", "Work", "ByteMeter", "collective_bytes", "TorchCommunicator", "MPICommunicator",
-           "mpi_available", "build_communicator", "collective_device", "SimulatedCommunicator"]
+           "mpi_available", "build_communicator", "build_dp_communicators", "collective_device",
+           "SimulatedCommunicator"]
 
 
 def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | None = None) -> Communicator:
@@ -48,3 +50,4 @@ def _group_ranks(group) -> list[int] | None:
     if group is None or isinstance(group, (list, tuple)):
         return None if group is None else list(group)
     return list(dist.get_process_group_ranks(group))
+

@@ -103,16 +103,22 @@ def owe_decay(debt: float, lr: float, weight_decay: float) -> float:
     return debt * (1.0 - lr * weight_decay)
 
 
-def step_comm_stats(meter, step: int, dense_step: bool) -> dict[str, Any]:
-    """This step's ``comm_stats`` from ``meter`` (its per-step counters are reset).
+def step_comm_stats(meter, step: int, dense_step: bool, intra_meter=None) -> dict[str, Any]:
+    """This step's ``comm_stats`` from ``meter`` and, under hierarchy "node", the node group's
+    ``intra_meter`` (their per-step counters are reset).
 
-    Keys: ``step``, ``dense_step``, ``bytes_sent`` (every tag but ``init``), ``bytes_dense`` (what
-    the dense exchange it replaces sends, recorded by the optimizer with ``meter.record_dense``),
-    ``by_tag``.
+    Keys: ``step``, ``dense_step``; ``bytes_inter`` (what ``meter``'s communicator sent: every byte of
+    a flat run, which does not know the topology) and ``bytes_intra`` (the node group's, 0 when
+    flat), both without ``init``; ``bytes_dense_inter`` and ``bytes_dense_intra``, what the dense
+    exchange it replaces sends on each (recorded by the optimizer with ``meter.record_dense``);
+    ``bytes_sent`` and ``bytes_dense``, their sums; ``by_tag`` and ``by_tag_intra``.
     """
-    by_tag, dense_bytes = meter.step_bytes()
-    return dict(step=step, dense_step=dense_step, bytes_sent=sum(by_tag.values()), bytes_dense=dense_bytes,
-                by_tag=by_tag)
+    by_tag, dense_inter = meter.step_bytes()
+    by_tag_intra, dense_intra = intra_meter.step_bytes() if intra_meter is not None else ({}, 0)
+    inter, intra = sum(by_tag.values()), sum(by_tag_intra.values())
+    return dict(step=step, dense_step=dense_step, bytes_sent=inter + intra, bytes_dense=dense_inter + dense_intra,
+                bytes_inter=inter, bytes_intra=intra, bytes_dense_inter=dense_inter, bytes_dense_intra=dense_intra,
+                by_tag=by_tag, by_tag_intra=by_tag_intra)
 
 
 def check_same_layout(saved_rank: int, saved_world_size: int, rank: int, world_size: int, what: str) -> None:

@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import Communicator, build_communicator, collective_bytes, collective_device
+from ..comm import Communicator, build_dp_communicators, collective_bytes, collective_device
 from ..config import ScapeConfig, parse_scape_config
 from ..exchange.core import MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay, step_comm_stats
 from ..exchange.layout import FlatLayout, split_dense_sparse
 from ..exchange.masks import offsets_to_index, random_offsets, select_mask
+from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
 
@@ -59,28 +60,34 @@ class _GroupState:
     flat_param: torch.Tensor | None  # (N_pad,) compute dtype; sparse params are views into it
     master: torch.Tensor | None  # (S,) fp32, this rank's shard (a view of flat_param when that is fp32)
     momentum: torch.Tensor | None  # (S,) fp32
-    error: torch.Tensor | None  # (N_pad,) fp32/bf16 error feedback (None for compressor "dense")
+    error: torch.Tensor | None  # (N_pad/G,) fp32/bf16 error feedback of the slice (None for compressor "dense")
     flat_grad: torch.Tensor | None  # (N_pad,) compute dtype; the sparse params' .grad are views into it
+    param_slice: torch.Tensor | None = None  # (N_pad/G,) view of flat_param: the slice exchanged across nodes
+    grad_slice: torch.Tensor | None = None  # (N_pad/G,) the node sum of that slice (flat: flat_grad itself)
     dense_momenta: list[torch.Tensor] = field(default_factory=list)
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each sparse param's .grad in flat_grad
     grad_divisor: float = 1.0  # this step's reduced sparse gradient is a sum over this many ranks (1: a mean)
     active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
     active_index: torch.Tensor | None = None  # (K,) int64 flat indices of active_offsets
     active_local: torch.Tensor | None = None  # (k,) int64 this rank's part of active_index, shard-local
+    node_index: torch.Tensor | None = None  # (G K,) int64 every slice's mask in flat_param (flat: active_index)
     pending: PendingMasks = field(default_factory=PendingMasks)  # (D*L,) uint8 encoded masks in flight
     decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
     norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
 
 
 class ScapeAdamS(Optimizer):
-    """AdamS with SCAPE sparse communication over a data-parallel group.
+    """AdamS with SCAPE sparse communication over a data-parallel group (flat, or split by node).
 
     Args:
         params: parameters or param groups (hyperparameters per group, as in torch.optim).
         lr, betas, eps, weight_decay, bias_correction: AdamS hyperparameters (see ``AdamS``).
         scape: the ``"scape"`` settings (:class:`ScapeConfig` or dict).
         comm: the data-parallel :class:`Communicator` (default: ``scape.comm_backend`` over the
-            default process group).
+            default process group, split by ``scape.hierarchy``); with ``intra_comm``, the
+            cross-node group of this rank's local rank.
+        intra_comm: ``scape.hierarchy="node"``: the communicator over this node's data-parallel
+            ranks (docs/design.md, Hierarchical SCAPE; ``build_dp_communicators`` makes both).
         max_grad_norm: clip the global norm of the reduced gradient to this (0: off).
         norm_group: the torch.distributed group of the other model-parallel ranks of this replica
             (tensor x pipeline parallel), over which the squared norm is summed; parameters marked
@@ -104,6 +111,7 @@ class ScapeAdamS(Optimizer):
         comm: Communicator | None = None,
         max_grad_norm: float = 0.0,
         norm_group=None,
+        intra_comm: Communicator | None = None,
     ):
         betas = tuple(betas)
         check_adams_hyperparameters(lr, betas, eps, weight_decay)
@@ -113,7 +121,16 @@ class ScapeAdamS(Optimizer):
                                       bias_correction=bias_correction))
         # user settings
         self.cfg = parse_scape_config(scape)
-        self.comm = comm if comm is not None else build_communicator(self.cfg.comm_backend)
+        if comm is None:
+            comm, intra_comm = build_dp_communicators(self.cfg)
+        if (intra_comm is not None) != (self.cfg.hierarchy == "node"):
+            raise ValueError(f"scape.hierarchy {self.cfg.hierarchy!r} with intra_comm "
+                             f"{'given' if intra_comm is not None else 'None'}: 'node' needs the node's "
+                             f"communicator (build_dp_communicators), 'flat' none")
+        self.comm = comm  # data-parallel, or cross-node under hierarchy "node"
+        self.intra_comm = intra_comm
+        # the node stage around the exchange, chosen once: nothing for a flat group
+        self._node = NodeStage(intra_comm) if intra_comm is not None else FlatStage()
         self.max_grad_norm = float(max_grad_norm)
         self.norm_group = norm_group
         self.schedule = MaskSchedule(self.cfg.mask_refresh_interval, self.cfg.dense_refresh,
@@ -133,11 +150,12 @@ class ScapeAdamS(Optimizer):
     def _lazy_init(self) -> None:
         if self._groups is not None:
             return
-        D, r = self.comm.world_size, self.comm.rank
+        r, node = self.comm.rank, self._node
         self._groups = []
         for group in self.param_groups:
             sparse, dense = split_dense_sparse(list(group["params"]), self.cfg.dense_numel_threshold)
-            layout = FlatLayout.build(sparse, D, self.cfg.chunk_size)
+            # G slices of M shards: shard r of slice l belongs to local rank l of node r
+            layout = FlatLayout.build(sparse, self.dp_world_size, self.cfg.chunk_size)
             gs = _GroupState(layout, sparse, dense, None, None, None, None, None)
             skips = {bool(getattr(p, "scape_norm_skip", False)) for p in sparse}
             if len(skips) > 1:
@@ -154,26 +172,30 @@ class ScapeAdamS(Optimizer):
                 flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # (N_pad,)
                 for p, off, n in zip(sparse, layout.offsets, layout.numels):
                     flat[off : off + n].copy_(p.detach().reshape(-1))
-                # one source of truth for the replicas: rank 0's initial values
+                # one source of truth for the replicas: rank 0's initial values (across nodes, then inside)
                 self.comm.broadcast(flat, 0, "init")
+                node.broadcast(flat, "init")
                 for p, off, n in zip(sparse, layout.offsets, layout.numels):
                     p.data = flat[off : off + n].view_as(p)
                 gs.flat_param = flat
+                gs.param_slice = node.slice_of(flat)  # (N_pad/G,) view
                 state_dtype = _state_dtype(dtype)  # fp32, or fp64 for fp64 parameters
-                shard = flat[layout.shard_slice(r)]  # (S,) view
+                shard = gs.param_slice[layout.shard_slice(r)]  # (S,) view
                 # fp32 parameters: the master shard is the parameters' own shard, not a copy
                 gs.master = shard if dtype == state_dtype else shard.to(state_dtype)  # (S,) fp32
                 gs.momentum = torch.zeros_like(gs.master)  # (S,) fp32
                 gs.flat_grad = torch.zeros_like(flat)  # (N_pad,) compute dtype
+                gs.grad_slice = node.grad_buffer(gs.flat_grad)  # (N_pad/G,) hierarchy "node": N/G more per rank
                 gs.grad_views = [gs.flat_grad[off : off + n].view_as(p) for p, off, n in
                                  zip(sparse, layout.offsets, layout.numels)]
                 self._attach_grads(gs, count=False)  # the first backward's gradients are copied in once
                 if self.cfg.compressor != "dense":
                     ef_dtype = torch.bfloat16 if self.cfg.error_feedback_dtype == "bf16" else state_dtype
-                    gs.error = torch.zeros(layout.padded_numel, dtype=ef_dtype, device=device)
+                    gs.error = torch.zeros(gs.param_slice.numel(), dtype=ef_dtype, device=device)  # (N_pad/G,)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
+                node.broadcast(p.data, "init")
                 state = self.state[p]
                 state["momentum"] = torch.zeros_like(p, dtype=_state_dtype(p.dtype))
                 gs.dense_momenta.append(state["momentum"])
@@ -200,8 +222,11 @@ class ScapeAdamS(Optimizer):
             self._update_group(group, gs, sparse_g, dense_g, scale, dense_step)
             if refresh and gs.flat_param is not None and self.cfg.compressor != "dense":
                 self._select_next_mask(gs, sparse_g if dense_step else None)
-            meter.record_dense(self._dense_bytes(gs))
-        stats = step_comm_stats(meter, t, dense_step)
+            inter, intra = self._dense_bytes(gs)
+            meter.record_dense(inter)
+            if self._node.meter is not None:
+                self._node.meter.record_dense(intra)
+        stats = step_comm_stats(meter, t, dense_step, self._node.meter)
         if self.cfg.log_comm:
             self.comm_stats = stats
         return loss
@@ -247,27 +272,30 @@ class ScapeAdamS(Optimizer):
         """Steps 1-2: returns (this shard's reduced gradient at its mask or whole shard, dense grads).
 
         The sparse part is the mean on sparse steps; on dense steps it is the sum over the D ranks
-        (``gs.grad_divisor`` = D), read in place where it landed, and the update divides.
+        (``gs.grad_divisor`` = D), read in place where it landed, and the update divides. Under
+        hierarchy "node" the exchange runs on the node sum of this rank's slice, across nodes.
         """
-        D = self.comm.world_size
+        D = self.dp_world_size
         sparse_g = dense_g = None
         if gs.dense_params:
             dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
                                  for p in gs.dense_params])  # (M,) fp32
+            self._node.all_reduce(dense_g, "dense_ar")
             self.comm.all_reduce(dense_g, "dense_ar")
             dense_g.div_(D)
         if gs.flat_param is None:
             return sparse_g, dense_g
         kern = self._kernels
         self._attach_grads(gs)  # normally a no-op: backward accumulated into the views
+        self._node.reduce_grads(gs.flat_grad, gs.grad_slice)  # node sum of this rank's slice (flat: nothing)
         if dense_step:
             gs.grad_divisor = float(D)
             return self._reduce_scatter_dense(gs), dense_g
         else:
             gs.pending.wait()
-            k = gs.active_index.numel() // D
+            k = gs.active_index.numel() // self.comm.world_size
             packed = torch.empty(gs.active_index.numel(), dtype=gs.flat_param.dtype, device=gs.flat_param.device)
-            kern.ef_accumulate_pack(gs.error, gs.flat_grad, gs.active_index, packed)  # (K,)
+            kern.ef_accumulate_pack(gs.error, gs.grad_slice, gs.active_index, packed)  # (K,)
             sparse_g = torch.empty(k, dtype=packed.dtype, device=packed.device)  # (k,)
             self.comm.reduce_scatter(sparse_g, packed, "grad_rs")
         gs.grad_divisor = 1.0
@@ -281,20 +309,20 @@ class ScapeAdamS(Optimizer):
         formed in a buffer that exists anyway and the result lands in this rank's shard of the
         gradient buffer (consumed by then), so the usual case allocates nothing of size N.
         """
-        r, wire = self.comm.rank, gs.flat_param.dtype
-        shard = gs.flat_grad[gs.layout.shard_slice(r)]  # (S,) view
+        r, wire, grad = self.comm.rank, gs.flat_param.dtype, gs.grad_slice
+        shard = grad[gs.layout.shard_slice(r)]  # (S,) view
         error = gs.error
         if error is None:  # compressor "dense": the gradient as it is
-            send, out = gs.flat_grad, torch.empty_like(shard)  # (S,)
+            send, out = grad, torch.empty_like(shard)  # (S,)
         elif error.dtype == wire:  # a = e + g in the error buffer, sent from there, then emptied
-            error.add_(gs.flat_grad)
+            error.add_(grad)
             send, out = error, shard
-        elif error.itemsize < gs.flat_grad.itemsize:  # bf16 error, fp32 wire: a formed in fp32 in the gradient buffer
-            gs.flat_grad.add_(error)
+        elif error.itemsize < grad.itemsize:  # bf16 error, fp32 wire: a formed in fp32 in the gradient buffer
+            grad.add_(error)
             error.zero_()
-            send, out = gs.flat_grad, torch.empty_like(shard)  # (S,)
+            send, out = grad, torch.empty_like(shard)  # (S,)
         else:  # fp32 error, bf16 wire: a rounded to the wire dtype; the rounding residual stays
-            error.add_(gs.flat_grad)
+            error.add_(grad)
             send = error.to(wire)  # (N_pad,) the one N-sized buffer of this case
             error.sub_(send)
             out = shard
@@ -321,6 +349,7 @@ class ScapeAdamS(Optimizer):
                     if not getattr(p, "scape_norm_skip", False):
                         replicated += float(g.double().square().sum())
         self.comm.all_reduce(sharded, "norm_ar")
+        self._node.all_reduce(sharded, "norm_ar")  # hierarchy "node": the other slices
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
             total = torch.tensor([float(sharded) + replicated], dtype=torch.float64,
                                  device=collective_device(self.norm_group))
@@ -332,7 +361,7 @@ class ScapeAdamS(Optimizer):
 
     def _update_group(self, group, gs: _GroupState, sparse_g, dense_g, scale: float, dense_step: bool) -> None:
         """Steps 3-4: AdamS on the owned shard (at the mask) and the all-gather of new values."""
-        t, D = self._step, self.comm.world_size
+        t, D = self._step, self.comm.world_size  # D: the ranks sharing this slice's shards
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
@@ -348,13 +377,14 @@ class ScapeAdamS(Optimizer):
         if dense_step:
             # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
             gs.decay_debt = settle_decay(gs.master, gs.decay_debt, gs.active_local)
-            shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
+            shard = gs.param_slice[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
             out = None if gs.master.data_ptr() == shard.data_ptr() else shard  # bf16: round into the parameters
             # one fused in-place pass; the 1/D of the mean and the clipping factor folded in
             self._kernels.dense_adams_update(gs.master, gs.momentum, sparse_g, out, grad_scale=scale / gs.grad_divisor,
                                              bias_correction=c, **hyper)
             # every rank's new shard, gathered in place: this rank's is already where it belongs
-            self.comm.all_gather(gs.flat_param, shard, "param_ag")
+            self.comm.all_gather(gs.param_slice, shard, "param_ag")
+            self._node.gather_params(gs.flat_param, gs.param_slice)  # then every slice inside the node
         else:
             if scale != 1.0:
                 sparse_g.mul_(scale)
@@ -365,7 +395,8 @@ class ScapeAdamS(Optimizer):
                                               **hyper)
             values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
             self.comm.all_gather(values, new, "param_ag")
-            self._kernels.scatter_values(gs.flat_param, gs.active_index, values)
+            values = self._node.gather_values(values)  # (G K,) every slice's, in the node
+            self._kernels.scatter_values(gs.flat_param, gs.node_index, values)
             gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
 
     # ------------------------------------------------------------------ masks
@@ -376,7 +407,7 @@ class ScapeAdamS(Optimizer):
         C, kc = cfg.chunk_size, cfg.k_per_chunk
         if cfg.compressor == "randk":
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t)  # same draw on every rank
-            offsets = random_offsets(layout.chunks_per_shard * layout.world_size, C, kc, gen)
+            offsets = random_offsets(layout.chunks_per_shard * self.comm.world_size, C, kc, gen)
             self._set_active(gs, offsets.to(gs.flat_param.device))
             return
         scores = reduced_grad if cfg.compressor == "topk" else gs.momentum
@@ -395,17 +426,21 @@ class ScapeAdamS(Optimizer):
         D, r = self.comm.world_size, self.comm.rank
         k = gs.active_index.numel() // D
         gs.active_local = gs.active_index[r * k : (r + 1) * k] - r * gs.layout.shard_numel  # (k,) int64
+        gs.node_index = self._node.node_index(offsets, gs.active_index, self.cfg.chunk_size, self.cfg.k_per_chunk,
+                                              self._kernels)  # (G K,) int64
 
     # ------------------------------------------------------------------ accounting
-    def _dense_bytes(self, gs: _GroupState) -> int:
-        """What a dense ZeRO-1 step sends for this group: RS of grads + AG of params + dense AR."""
+    def _dense_bytes(self, gs: _GroupState) -> tuple[int, int]:
+        """What a dense ZeRO-1 step sends for this group, (inter-node, intra-node): RS of grads + AG of
+        params + dense AR over the (cross-node) group; with hierarchy "node" the same split by node."""
         D = self.comm.world_size
         total = sum(collective_bytes("all_reduce", p.numel() * 4, D) for p in gs.dense_params)
+        padded = b = 0
         if gs.flat_param is not None:
-            b = gs.flat_param.element_size()
-            total += collective_bytes("reduce_scatter", gs.layout.padded_numel * b, D)
+            b, padded = gs.flat_param.element_size(), gs.layout.padded_numel
+            total += collective_bytes("reduce_scatter", gs.param_slice.numel() * b, D)
             total += collective_bytes("all_gather", gs.layout.shard_numel * b, D)
-        return total
+        return total, self._node.dense_bytes(padded, b, sum(p.numel() for p in gs.dense_params))
 
     def synchronize(self) -> None:
         """Wait for every mask all-gather still in flight; call before destroying the process group."""
@@ -426,29 +461,40 @@ class ScapeAdamS(Optimizer):
         for gs in self._groups:
             total["params"] += nbytes(gs.flat_param) + sum(nbytes(p) for p in gs.dense_params)
             total["grads"] += nbytes(gs.flat_grad) + sum(nbytes(p.grad) for p in gs.dense_params)
-            shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)] if gs.flat_param is not None else None
+            if gs.grad_slice is not gs.flat_grad:  # hierarchy "node": the node sum of the slice
+                total["grads"] += nbytes(gs.grad_slice)
+            shard = gs.param_slice[gs.layout.shard_slice(self.comm.rank)] if gs.flat_param is not None else None
             if gs.master is not None and gs.master.data_ptr() != shard.data_ptr():
                 total["master"] += nbytes(gs.master)
             total["momentum"] += nbytes(gs.momentum) + sum(nbytes(m) for m in gs.dense_momenta)
             total["error_feedback"] += nbytes(gs.error)
             total["masks"] += nbytes(gs.active_offsets) + nbytes(gs.active_index) + nbytes(gs.active_local)
+            if gs.node_index is not gs.active_index:
+                total["masks"] += nbytes(gs.node_index)
         return total
 
     def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
-        """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use."""
+        """The mask (every shard's, (K,) int16 chunk offsets) the next sparse step will use; under
+        hierarchy "node" every cross-node shard of this rank's slice."""
         self._lazy_init()
         gs = self._groups[group_index]
         gs.pending.wait()
         return None if gs.active_offsets is None else gs.active_offsets.clone()
 
     def error_feedback(self, group_index: int = 0) -> torch.Tensor | None:
-        """This rank's error-feedback buffer of a param group, (N_pad,) fp32 (read-only view)."""
+        """This rank's error-feedback buffer of a param group, (N_pad,) fp32, or (N_pad/G,) for its slice
+        under hierarchy "node" (read-only view)."""
         self._lazy_init()
         return self._groups[group_index].error
 
     @property
     def step_count(self) -> int:
         return self._step
+
+    @property
+    def dp_world_size(self) -> int:
+        """D, the data-parallel ranks: G M under hierarchy "node" (G per node, M nodes)."""
+        return self.comm.world_size * self._node.size
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -469,6 +515,7 @@ class ScapeAdamS(Optimizer):
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return dict(param_groups=param_groups, scape=dict(
             step=self._step, rank=self.comm.rank, world_size=self.comm.world_size,
+            node_rank=self._node.rank, node_size=self._node.size,
             config=self.cfg.model_dump(), groups=groups, refresh_next=self._refresh_next,
         ))
 
@@ -484,6 +531,8 @@ class ScapeAdamS(Optimizer):
             raise ValueError("not a ScapeAdamS state dict (no 'scape' entry)")
         sc = state_dict["scape"]
         check_same_layout(sc["rank"], sc["world_size"], self.comm.rank, self.comm.world_size, "ScapeAdamS")
+        check_same_layout(sc.get("node_rank", 0), sc.get("node_size", 1), self._node.rank, self._node.size,
+                          "ScapeAdamS (node group)")
         self._lazy_init()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")

@@ -3,6 +3,7 @@
     allreduce_bw.py MB REPEATS           # gloo; ranks from RANK/WORLD_SIZE (Cluster.launch)
     allreduce_bw.py MB REPEATS --mpi     # ranks from MPI (Cluster.launch_mpi): mpi4py's Allreduce,
                                          # then gloo with rank 0's node address sent over MPI
+    allreduce_bw.py MB REPEATS --intra   # also an all-reduce inside each node (LOCAL_WORLD_SIZE ranks)
 
 Rank 0 prints ``BW {json}`` per backend with the bytes each rank sent (ring all-reduce:
 2 (D-1)/D x size) and the achieved rate in bits per second (best of REPEATS, after one warm-up),
@@ -66,6 +67,13 @@ def main() -> None:
     assert float(t[0]) == D ** (repeats + 1)
     if dist.get_rank() == 0:
         _report("gloo", t, D, best, addrs)
+    if "--intra" in sys.argv:  # the node's ranks only: their traffic should not touch the shaped links
+        G = int(os.environ["LOCAL_WORLD_SIZE"])
+        groups = [dist.new_group(list(range(n, n + G))) for n in range(0, D, G)]
+        node = groups[dist.get_rank() // G]
+        best = _best_of(repeats, lambda: dist.barrier(group=node), lambda: dist.all_reduce(t, group=node))
+        if dist.get_rank() == 0:
+            _report("gloo-intra", t, G, best, addrs)
     dist.destroy_process_group()
 
 

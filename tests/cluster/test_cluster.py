@@ -67,6 +67,18 @@ def test_two_node_allreduce_crosses_shaped_link_at_set_bandwidth_and_cleans_up()
 
 
 @pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
+def test_ranks_of_one_node_talk_unshaped_and_only_across_nodes_cross_the_link():
+    with Cluster(2, "100mbit", "0.5ms", ranks_per_node=2) as c:
+        procs = c.launch([sys.executable, BW_SCRIPT, "4", "2", "--intra"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+        assert c.wait(procs, 180) == [0] * 4
+        res = _bw_lines(procs[0].stdout.read())
+    assert res["gloo"]["world"] == 4 and res["gloo"]["bits_per_s"] <= 2 * 100e6, res  # the 100 Mbit/s links
+    assert res["gloo-intra"]["world"] == 2 and res["gloo-intra"]["bits_per_s"] >= 10 * 100e6, res  # not shaped
+    assert not _ours(), "namespaces left behind"
+
+
+@pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
 def test_failing_rank_ends_the_others_and_everything_is_removed():
     assert not _ours()
     code = main(["--nodes", "2", "--timeout", "120", "--", sys.executable, "-c",

@@ -10,7 +10,11 @@ Cases:
              identical parameters after every step, and the MPI backend's byte count of every step
              equals the torch backend's
   dense      sparsity 0.0 over MPI equals dense data-parallel AdamS (fp64, 1e-10)
-  groups     two data-parallel groups of 2 (sub-communicators): replicas equal within a group
+  groups     two data-parallel groups of 2 (sub-communicators): replicas equal within a group; then
+             hierarchy "node", 2 ranks per node, both backends: replicas equal after every step and
+             the inter- and intra-node bytes of every step equal across backends; without
+             intra_node_size MPI's shared-memory split puts every rank of this machine on one node
+             (one mpiexec job for both: a launch costs more than the cases)
   kill       rank 1 dies at step 3 (SIGKILL); the others must not hang: under mpiexec the launcher
              ends the job, without it (BACKEND=torch, ranks from RANK/WORLD_SIZE) gloo's
              timeout or its closed connection makes them raise
@@ -29,7 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from scape_ds.comm import build_communicator  # noqa: E402
+from scape_ds.comm import build_communicator, build_dp_communicators  # noqa: E402
+from scape_ds.config import parse_scape_config  # noqa: E402
 from scape_ds.optim import AdamS, ScapeAdamS  # noqa: E402
 from tests.multiprocess.models import dense_adams_reference_step, flat_params, loss_fn, make_batch, make_mlp  # noqa: E402
 
@@ -112,7 +117,32 @@ def case_groups() -> dict:
         out[backend] = per_step
     assert out["mpi"] == out["torch"], out
     sub.Free()
-    return dict(groups=groups, bytes=out["mpi"])
+    return dict(groups=groups, bytes=out["mpi"], hier=_hierarchy())
+
+
+def _hierarchy() -> dict:
+    out = {}
+    for backend in ("mpi", "torch"):
+        cfg = parse_scape_config(dict(sparsity=0.99, mask_refresh_interval=4, chunk_size=256,
+                                      dense_numel_threshold=1024, comm_backend=backend, hierarchy="node",
+                                      intra_node_size=2))
+        comm, intra = build_dp_communicators(cfg)
+        assert (comm.world_size, intra.world_size) == (WORLD.Get_size() // 2, 2)
+        model = make_mlp(seed=3)
+        opt = ScapeAdamS(model.parameters(), lr=1e-2, comm=comm, intra_comm=intra, scape=cfg)
+        steps = []
+        for step in range(8):
+            x, y = make_batch(step, WORLD.Get_rank())
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+            assert _all_equal(flat_params(model)), (backend, step)
+            steps.append((opt.comm_stats["bytes_inter"], opt.comm_stats["bytes_intra"]))
+        opt.synchronize()
+        out[backend] = steps
+    assert out["mpi"] == out["torch"], out
+    _, intra = build_dp_communicators(parse_scape_config(dict(comm_backend="mpi", hierarchy="node")))
+    return dict(bytes=out["mpi"], shared_memory_node=intra.world_size)
 
 
 def case_kill() -> dict:

@@ -58,9 +58,13 @@ def test_mpi_density_one_equals_dense_adams(n):
     assert res["max_diff"] <= 1e-10
 
 
-def test_mpi_sub_communicators_follow_data_parallel_groups():
+def test_mpi_sub_communicators_follow_data_parallel_groups_and_node_hierarchy():
     res = _result(_mpirun(4, *WORKER, "groups"))
     assert res["groups"] == [[0, 2], [1, 3]] and len(res["bytes"]) == 8
+    # hierarchy "node" (2 nodes x 2) over MPI: replicas equal, the same bytes as the torch backend
+    assert res["hier"]["shared_memory_node"] == 4  # one machine: one shared-memory node
+    inter, intra = zip(*res["hier"]["bytes"])
+    assert len(inter) == 8 and all(b > 0 for b in inter) and all(b > 0 for b in intra)
 
 
 def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):

@@ -14,22 +14,24 @@ pytestmark = pytest.mark.timeout(600)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker(rank, world_size, tmp_path, steps):
+def _worker(rank, world_size, tmp_path, steps, config, extra=()):
     from scape_ds.train import build_parser, check_inputs, train
 
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; DeepSpeed's engine asks for it
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # one node: scape_hier.json takes G from here
     args = build_parser().parse_args([
-        "--deepspeed_config", os.path.join(REPO, "ds_configs", "scape.json"), "--train-iters", str(steps),
+        "--deepspeed_config", os.path.join(REPO, "ds_configs", config), "--train-iters", str(steps),
         "--eval-interval", "2", "--eval-iters", "1", "--seq-len", "32", "--n-layer", "1", "--n-head", "2",
-        "--n-embd", "32", "--no-progress", "--metrics-out", os.path.join(tmp_path, "m.jsonl")])
+        "--n-embd", "32", "--no-progress", "--metrics-out", os.path.join(tmp_path, "m.jsonl"), *extra])
     calls = []
     summary = train(args, check_inputs(args), on_step=lambda step, engine: calls.append((step, engine.global_steps)))
     return calls, summary
 
 
-def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_path):
+@pytest.mark.parametrize("config", ["scape.json", "scape_hier.json"])
+def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_path, config):
     steps = 3
-    (calls0, s0), (calls1, s1) = run_ranks(_worker, 2, tmp_path, steps, timeout_s=120)
+    (calls0, s0), (calls1, s1) = run_ranks(_worker, 2, tmp_path, steps, config, timeout_s=120)
     assert calls0 == calls1 == [(t, t) for t in range(1, steps + 1)]  # after the optimizer step: engine counted it
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]  # rank 0 writes
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -37,3 +39,19 @@ def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_pa
     assert s0["final_loss"] == s1["final_loss"] and s0["val_loss"] == s1["val_loss"] == rows[-1]["val_loss"]
     assert s0["bytes_sent"] == sum(r["bytes_sent"] for r in rows)
     assert s0["bytes_dense"] == sum(r["bytes_dense"] for r in rows)
+    for r in rows:  # flat: every byte counts as inter-node; one node of 2 (scape_hier.json): every byte intra
+        assert r["bytes_inter"] + r["bytes_intra"] == r["bytes_sent"]
+        assert (r["bytes_intra"] if config == "scape.json" else r["bytes_inter"]) == 0
+
+
+def test_hierarchical_run_resumes_exactly_from_its_checkpoint(tmp_path):
+    """scape_hier.json through save_checkpoint/load_checkpoint: 4 steps straight, or 2 + a resume to 4."""
+    ckpt = os.path.join(tmp_path, "ckpt")
+    straight = run_ranks(_worker, 2, tmp_path / "a", 4, "scape_hier.json", timeout_s=120)
+    run_ranks(_worker, 2, tmp_path / "b", 2, "scape_hier.json", ("--save", ckpt), timeout_s=120)
+    assert sorted(n for n in os.listdir(os.path.join(ckpt, "global_step2")) if n.startswith("scape_")) == [
+        "scape_dp_rank_00000_global_rank_00000.pt", "scape_dp_rank_00000_global_rank_00001.pt"]  # one per node rank
+    resumed = run_ranks(_worker, 2, tmp_path / "c", 4, "scape_hier.json", ("--load", ckpt), timeout_s=120)
+    assert [c for c, _ in resumed] == [[(3, 3), (4, 4)]] * 2
+    assert resumed[0][1]["final_loss"] == straight[0][1]["final_loss"]
+    assert resumed[0][1]["val_loss"] == straight[0][1]["val_loss"]

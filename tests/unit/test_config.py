@@ -61,3 +61,26 @@ def test_unknown_comm_backend_is_a_clear_error():
 
     with pytest.raises(ValueError, match="comm_backend must be"):
         build_communicator("nccl")
+
+
+def test_hierarchy_fields():
+    assert parse_scape_config(None).hierarchy == "flat"
+    cfg = parse_scape_config({"hierarchy": "node", "intra_node_size": 4})
+    assert (cfg.hierarchy, cfg.intra_node_size) == ("node", 4)
+    assert parse_scape_config({"hierarchy": "node"}).intra_node_size is None  # from the launcher
+    with pytest.raises(ValueError, match="scape.hierarchy: .*'flat' or 'node'"):
+        parse_scape_config({"hierarchy": "rack"})
+    with pytest.raises(ValueError, match="scape.intra_node_size: must be an integer >= 1"):
+        parse_scape_config({"hierarchy": "node", "intra_node_size": 0})
+    with pytest.raises(ValueError, match="intra_node_size is for hierarchy='node'"):
+        parse_scape_config({"intra_node_size": 2})
+
+
+def test_split_by_node_groups_local_ranks_across_nodes():
+    from scape_ds.comm.hierarchy import split_by_node
+
+    # TP2: the data-parallel group of tensor rank 0 is global ranks 0, 2, 4, 6; 4 ranks per node
+    nodes, cross = split_by_node([0, 2, 4, 6], [r // 4 for r in (0, 2, 4, 6)])
+    assert nodes == [[0, 2], [4, 6]] and cross == [[0, 4], [2, 6]]
+    with pytest.raises(ValueError, match="same number of data-parallel ranks on every node"):
+        split_by_node([0, 1, 2], [0, 0, 1])

@@ -424,3 +424,11 @@ def test_zero3_files_are_read_with_the_model_states_of_rank_0(tmp_path):
     (tmp_path / "global_step5" / "zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="saved with tensor or pipeline parallelism"):
         saved_zero3_dp_size(tag)
+
+
+def test_hierarchical_states_are_refused_in_one_line():
+    states = _old_states(2, steps=1)
+    for st in states:
+        st["scape"]["node_size"] = 2
+    with pytest.raises(ValueError, match="saved with scape.hierarchy 'node' \\(2 ranks per node\\)"):
+        reshard_scape_state(states, 0, 1)

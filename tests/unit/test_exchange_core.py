@@ -88,8 +88,20 @@ def test_step_comm_stats_reads_and_resets_the_meter():
     meter.record_dense(400)
     stats = step_comm_stats(meter, 3, False)
     assert stats == {"step": 3, "dense_step": False, "bytes_sent": 107, "bytes_dense": 400,
-                     "by_tag": {"grad_rs": 100, "mask_ag": 7}}
+                     "bytes_inter": 107, "bytes_intra": 0, "bytes_dense_inter": 400, "bytes_dense_intra": 0,
+                     "by_tag": {"grad_rs": 100, "mask_ag": 7}, "by_tag_intra": {}}
     assert step_comm_stats(meter, 4, True)["bytes_sent"] == 0
+    # hierarchy "node": the node group's meter is the intra-node traffic
+    intra = ByteMeter()
+    meter.record("grad_rs", 10)
+    meter.record_dense(40)
+    intra.record("grad_rs", 300)
+    intra.record("init", 5)
+    intra.record_dense(600)
+    stats = step_comm_stats(meter, 5, False, intra)
+    assert (stats["bytes_inter"], stats["bytes_intra"], stats["bytes_sent"]) == (10, 300, 310)
+    assert (stats["bytes_dense_inter"], stats["bytes_dense_intra"], stats["bytes_dense"]) == (40, 600, 640)
+    assert stats["by_tag_intra"] == {"grad_rs": 300}
 
 
 def test_state_loads_only_on_the_rank_and_world_size_that_saved_it():
