@@ -198,10 +198,12 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from scape_ds.data import build_datasets, get_batch
+    from scape_ds.engine import skip_unused_cpu_ops
     from scape_ds.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
     under_mpi = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+    skip_unused_cpu_ops()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=under_mpi, verbose=False,
                                distributed_port=int(os.environ["MASTER_PORT"]), timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -206,6 +206,9 @@ def build_pipeline_gpt(cfg: GPTConfig, topology, seed: int, mp_config=None,
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     if not deepspeed.comm.is_initialized():  # PipelineModule talks through deepspeed.comm
+        from ..engine import skip_unused_cpu_ops
+
+        skip_unused_cpu_ops()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     mp_config = mp_config or megatron_config()
     layers = [TiedLayerSpec("embed", TokenEmbedding, cfg, mp_config, tied_weight_attr=["wte.weight"]),

@@ -44,6 +44,9 @@ WORLD = MPI.COMM_WORLD
 def _init() -> None:
     import deepspeed
 
+    from scape_ds.engine import skip_unused_cpu_ops
+
+    skip_unused_cpu_ops()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=True, verbose=False,
                                distributed_port=int(os.environ["MASTER_PORT"]),  # the test picks a free one
                                timeout=datetime.timedelta(seconds=60))

@@ -290,9 +290,10 @@ def _worker_foreign(rank, world_size, tmp_path):
     import deepspeed
 
     from scape_ds.config import parse_scape_config
-    from scape_ds.engine import _stage3_class_swapped
+    from scape_ds.engine import _stage3_class_swapped, skip_unused_cpu_ops
     from scape_ds.zero3 import scape_stage3_class
 
+    skip_unused_cpu_ops()  # deepspeed.initialize directly: as scape_ds.initialize would
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
