@@ -326,6 +326,11 @@ def hier_report(all_res: list[dict], period: int) -> str:
     return "\n".join(lines)
 
 
+def _png_for(out: str) -> str:
+    """The plot beside a results file: ``x_results.json`` -> ``x.png``, ``x.json`` -> ``x.png``."""
+    return os.path.splitext(out)[0].removesuffix("_results") + ".png"
+
+
 def hier_plot(all_res: list[dict], period: int, path: str) -> None:
     """Bars per row: sparse step, refresh step, period mean; the compute floor as a line."""
     import matplotlib
@@ -515,7 +520,7 @@ def main() -> int:
             all_res = json.load(f)
         if args.hier:
             print(hier_report(all_res, args.period))
-            hier_plot(all_res, args.period, args.out.replace("_results.json", ".png"))
+            hier_plot(all_res, args.period, _png_for(args.out))
             return 0
         print(report(all_res))
         plot(all_res, os.path.join(os.path.dirname(args.out), "step_time.png"))
@@ -536,7 +541,7 @@ def main() -> int:
         json.dump(all_res, f, indent=1)
     if args.hier:
         print(hier_report(all_res, args.period))
-        png = args.out.replace("_results.json", ".png")
+        png = _png_for(args.out)
         hier_plot(all_res, args.period, png)
         print(f"compute (no exchange) per step: {all_res[0]['compute_s'] * 1e3:.0f} ms; "
               f"results: {args.out}, plot: {png}")
