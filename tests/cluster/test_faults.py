@@ -111,7 +111,7 @@ def test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_re
             line = lines[0]
             assert f"rank {rank}: lost contact with rank {1 - rank} (" in line, line
             assert f"timed out after {TIMEOUT_S} s" in line, line
-            assert re.search(r"in (step|saving global_step|validation at step) \d+", line), line
+            assert re.search(r"in (step \d+|saving global_step\d+|validation at step \d+)", line), line
             assert f"the last complete checkpoint is {tag} in {ckpt}: resume with --load {ckpt}" in line, line
         step = int(tag.removeprefix("global_step"))
 
