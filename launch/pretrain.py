@@ -23,9 +23,7 @@ scape_ds/train.py (``python -m scape_ds.train`` is the same program). A lost pee
 dead node) ends every rank within --dist-timeout plus a few seconds, exit code 3, with one line naming
 the silent rank and the checkpoint to resume from with --load (scape_ds/faults.py).
 """
-import sys
-
-from scape_ds.train import main
+from scape_ds.train import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()  # main(), then os._exit: see scape_ds.train.run

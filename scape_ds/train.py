@@ -464,5 +464,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def run(argv=None) -> None:
+    """:func:`main`, then end the process without the interpreter's finalization (the process group
+    is destroyed by then). gloo's worker threads can still hold finished work with tensors in it, and
+    freeing those while the interpreter is torn down aborts the process ("terminate called without an
+    active exception", pytorch/pytorch#179291): it happened once to rank 1 of a successful ``make
+    pretrain``, which then failed with the launcher's exit code. Output is flushed first."""
+    rc = main(argv)
+    mpi = sys.modules.get("mpi4py.MPI")  # under mpiexec: finalize, as mpi4py's exit hook would
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
