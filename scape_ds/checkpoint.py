@@ -315,9 +315,13 @@ def safe_load(path: str, map_location="cpu"):
     except pickle.UnpicklingError as e:
         unsafe = _unsafe_globals(path)
         what = ", ".join(unsafe[:3]) if unsafe else _one_line(e)
-        raise ValueError(f"{path} holds objects that are not plain data ({what}): refused, not loaded") from None
+        raise ValueError(_not_plain_data(path, what)) from None
     except Exception as e:  # torch's zip reader raises many types for a damaged file
         raise ValueError(f"{path} is corrupt or truncated ({_one_line(e)})") from None
+
+
+def _not_plain_data(path: str, what: str) -> str:
+    return f"{path} holds objects that are not plain data ({what}): refused, not loaded"
 
 
 def _unsafe_globals(path: str) -> list[str]:
@@ -425,9 +429,8 @@ def _check_contents(tag_dir: str) -> list[str]:
         full = os.path.join(tag_dir, name)
         if _sha256(full) != files[name]["sha256"]:
             problems.append(f"{full} is altered (its sha256 differs from the manifest's)")
-        elif name.endswith(".pt") and _unsafe_globals(full):
-            problems.append(f"{full} holds objects that are not plain data "
-                            f"({', '.join(_unsafe_globals(full)[:3])}): refused, not loaded")
+        elif name.endswith(".pt") and (unsafe := _unsafe_globals(full)):
+            problems.append(_not_plain_data(full, ", ".join(unsafe[:3])))
     return problems
 
 
