@@ -41,8 +41,11 @@ learning-rate check: the same at lr 1e-3 (``*_lr1e-3``; the others use lr 3e-3),
 repeated at lr 1e-3 (T=10, 25, 50, 100, 200; sparse refresh T=1, 10), random-k at 0.99 and SCAPE 0.95.
 Higher lrs (``lr_high``): dense AdamW at 6e-3, SCAPE 0.9 and 0.99 at 4.5e-3, 6e-3 and 1e-2, 0.99 T=50 at 6e-3.
 Hierarchical: ``scape99_hier`` (``hierarchy "node"``, 2 ranks per node; ``--runs scape99,scape99_hier --ranks 4``).
+Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``drift99*`` (K = 1-30),
+``wmean99``, and ``scape995_T50`` (lazy at 0.995 with T=50: about the bytes of 0.99 at T=100); the
+screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``hier``, ``all``.
+``hier``, ``update_rules``, ``all``.
 """
 from __future__ import annotations
 
@@ -107,6 +110,24 @@ RUNS: dict[str, tuple] = {
     # 2 nodes x 2, next to scape99 at --ranks 4
     "scape99_hier": ("SCAPE 0.99, T=100, hierarchy node (2 ranks per node)", "scape.json",
                      dict(hierarchy="node", intra_node_size=2)),
+    # update rules (scape_ds/optim/update_rules.py): how coordinates outside the mask learn
+    "catchup99": ("SCAPE 0.99 catchup (gain 0.3), T=100", "scape.json", dict(update_rule="catchup")),
+    "catchup99_g0.1": ("SCAPE 0.99 catchup gain 0.1, T=100", "scape.json",
+                       dict(update_rule="catchup", catchup_gain=0.1)),
+    "catchup99_g0.03": ("SCAPE 0.99 catchup gain 0.03, T=100", "scape.json",
+                        dict(update_rule="catchup", catchup_gain=0.03)),
+    "catchup99_g0.01": ("SCAPE 0.99 catchup gain 0.01, T=100", "scape.json",
+                        dict(update_rule="catchup", catchup_gain=0.01)),
+    "drift99_K1": ("SCAPE 0.99 sign_drift K=1, T=100", "scape.json", dict(update_rule="sign_drift", drift_steps=1)),
+    "scape995_T50": ("SCAPE 0.995, T=50", "scape.json", dict(sparsity=0.995, mask_refresh_interval=50)),
+    "reselect99_R25": ("SCAPE 0.99, T=100, masks re-chosen every 25 steps", "scape.json", dict(reselect_interval=25)),
+    "reselect99_R50": ("SCAPE 0.99, T=100, masks re-chosen every 50 steps", "scape.json", dict(reselect_interval=50)),
+    "reselect99_R10": ("SCAPE 0.99, T=100, masks re-chosen every 10 steps", "scape.json", dict(reselect_interval=10)),
+    "reselect90_R50": ("SCAPE 0.9, T=100, masks re-chosen every 50 steps", "scape.json",
+                       dict(sparsity=0.9, reselect_interval=50)),
+    "wmean99": ("SCAPE 0.99 window_mean, T=100", "scape.json", dict(update_rule="window_mean")),
+    "drift99": ("SCAPE 0.99 sign_drift K=10, T=100", "scape.json", dict(update_rule="sign_drift")),
+    "drift99_K3": ("SCAPE 0.99 sign_drift K=3, T=100", "scape.json", dict(update_rule="sign_drift", drift_steps=3)),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -116,8 +137,9 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 HIER = ["scape99_hier"]
+UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "all": list(RUNS)}
+          "hier": HIER, "update_rules": UPDATE_RULES, "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.

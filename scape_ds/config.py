@@ -45,6 +45,46 @@ class ScapeConfig(BaseModel):
     and select the next mask from the fresh momentum. False: sparse refresh with exploration (saves
     under 1% of the dense bytes at 0.99 and was worse at every T measured in bench/RESULTS.md)."""
 
+    update_rule: Literal["lazy", "catchup", "sign_drift", "window_mean"] = "lazy"
+    """How coordinates outside the mask learn (scape_ds/optim/update_rules.py, docs/design.md "Update
+    rules"). ``lazy``: they wait; the dense refresh gives them one AdamS step for the whole window of
+    accumulated gradient (AdamS's normalization makes that about 0.45 lr, whatever the window held).
+    ``catchup``: the refresh also moves each of them by ``catchup_gain * lr * w * a / sqrt(v)``
+    (``a`` the window's accumulated mean gradient, ``w`` the window's steps, ``v`` an EMA over
+    refreshes of ``a^2``): a window-sized step, no extra bytes, 4 bytes per parameter / D more
+    memory. ``sign_drift``: every replica moves each of them by ``lr * beta1 / sqrt(beta2) *
+    sign(m)`` for ``drift_steps`` steps after a refresh (AdamS's own step with no new gradient),
+    from one bit per coordinate all-gathered at the refresh. ``window_mean``: the refresh feeds AdamS
+    each such coordinate's mean gradient per step (``a / w``) instead of the window's sum. The three
+    act at dense refresh steps: they need ``dense_refresh``, the ``scape`` or ``topk`` compressor,
+    ``hierarchy="flat"`` and ZeRO stage 0/1. Default ``lazy``: none of the three beat it in
+    bench/RESULTS.md ("Update rules at 99% sparsity": 500 steps at 0.99, each at lazy's best lr
+    and more; the more a rule moves the coordinates outside the mask, the worse)."""
+
+    catchup_gain: float = 0.3
+    """``update_rule="catchup"``: gamma, the share of a window-sized step (``w * lr`` at a fully
+    consistent gradient) a coordinate outside the mask takes at the refresh; > 0."""
+
+    catchup_beta: float = 0.5
+    """``update_rule="catchup"``: EMA factor over refreshes of the squared accumulated gradient, in
+    [0, 1); 0 makes the catch-up ``catchup_gain * lr * w * sign(a)``."""
+
+    drift_steps: int = 10
+    """``update_rule="sign_drift"``: K, the steps after each refresh during which coordinates outside
+    the mask drift; 1 <= K < mask_refresh_interval."""
+
+    reselect_interval: int = 0
+    """R: with R > 0, between dense refreshes each owner re-chooses its part of the mask every R steps
+    from ``|beta1 * m + (1 - beta1) * e|`` on its shard (m its momentum, e its own unsent residual:
+    the momentum a coordinate would have if its residual entered now), without a flush; the mask
+    all-gather (2 bytes or less per kept coordinate) is the only extra traffic. Weight decay stays
+    exact: each owned coordinate keeps an int32 mark of the step it was last decayed to (4 bytes per
+    parameter / D). 0 (default): the mask changes at refreshes only (at sparsity 0.9, R=50 was worse
+    over 1500 steps in bench/RESULTS.md).
+    At sparsity 0.99, R=50 with T=100 and lr 6e-3 reached 2.2% lower validation loss than R=0 at the
+    same bytes (one seed, 0.45M parameters): set it there. Needs update_rule "lazy", compressor
+    "scape", dense_refresh, hierarchy "flat"; 0 or 1 <= R < mask_refresh_interval."""
+
     exploration: float = 0.1
     """With ``dense_refresh=false``: share of each chunk's kc chosen at random from a seed (so
     coordinates outside the mask still get fresh statistics), in [0, 1)."""
@@ -91,14 +131,21 @@ class ScapeConfig(BaseModel):
     log_comm: bool = True
     """Record per-step bytes sent vs dense (read them from ``optimizer.comm_stats``)."""
 
-    @field_validator("sparsity", "exploration")
+    @field_validator("sparsity", "exploration", "catchup_beta")
     @classmethod
     def _check_unit_interval(cls, v: float) -> float:
         if not 0.0 <= v < 1.0:
             raise ValueError(f"must be in [0, 1), got {v}")
         return v
 
-    @field_validator("mask_refresh_interval")
+    @field_validator("catchup_gain")
+    @classmethod
+    def _check_gain(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @field_validator("mask_refresh_interval", "drift_steps")
     @classmethod
     def _check_interval(cls, v: int) -> int:
         if v < 1:
@@ -112,7 +159,7 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"must be a power of two in [8, 65536], got {v}")
         return v
 
-    @field_validator("dense_numel_threshold")
+    @field_validator("dense_numel_threshold", "reselect_interval")
     @classmethod
     def _check_threshold(cls, v: int) -> int:
         if v < 0:
@@ -135,6 +182,25 @@ class ScapeConfig(BaseModel):
                 "compressor='topk' selects from the reduced gradient of a dense refresh step: "
                 "it needs dense_refresh=true"
             )
+        if self.update_rule != "lazy":
+            where = f"update_rule={self.update_rule!r}"
+            if self.compressor not in ("scape", "topk") or not self.dense_refresh:
+                raise ValueError(f"{where} acts at dense refresh steps: it needs compressor 'scape' or 'topk' and "
+                                 f"dense_refresh=true, got compressor {self.compressor!r}, "
+                                 f"dense_refresh={self.dense_refresh}")
+            if self.hierarchy != "flat":
+                raise ValueError(f"{where} is built for hierarchy 'flat' only, got {self.hierarchy!r}")
+        if self.reselect_interval:
+            if not 1 <= self.reselect_interval < self.mask_refresh_interval:
+                raise ValueError(f"reselect_interval must be 0 or in [1, mask_refresh_interval="
+                                 f"{self.mask_refresh_interval}), got {self.reselect_interval}")
+            settings = (self.update_rule, self.compressor, self.dense_refresh, self.hierarchy)
+            if settings != ("lazy", "scape", True, "flat"):
+                raise ValueError("reselect_interval needs update_rule 'lazy', compressor 'scape', dense_refresh=true "
+                                 "and hierarchy 'flat'")
+        if self.update_rule == "sign_drift" and not 1 <= self.drift_steps < self.mask_refresh_interval:
+            raise ValueError(f"drift_steps must be in [1, mask_refresh_interval={self.mask_refresh_interval}), "
+                             f"got {self.drift_steps}")
         return self
 
     @property

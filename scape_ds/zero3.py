@@ -100,6 +100,10 @@ def check_stage3_config(cfg: dict) -> None:
     if hierarchy != "flat":
         raise ValueError(f"scape.hierarchy {hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS) for the hierarchical exchange, or hierarchy 'flat' under stage 3")
+    rule = (cfg.get("scape") or {}).get("update_rule", "lazy")
+    if rule != "lazy":
+        raise ValueError(f"scape.update_rule {rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
+                         f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
 
 
 _EVERYTHING = sys.maxsize

@@ -13,7 +13,8 @@ rho = 1 - sparsity, D = data-parallel ranks; activations and transient buffers a
   * SCAPE stage 0/1 (ScapeAdamS): parameters p and gradients p (views into two flat buffers), fp32
     master 4/D only when p < 4 (for fp32 it is a view of the parameters), momentum 4/D, error
     feedback e, masks 10*rho + 8*rho/D (int16 offsets and int64 indices of every shard, int64 local
-    indices of this shard).
+    indices of this shard); ``rule_state`` for update_rule "catchup" 4/D (its v), "sign_drift" 1 (int8 signs), and 4/D
+    for reselect_interval > 0 (int32 decay marks).
   * AdamW, as the ZeRO paper (Rajbhandari et al. 2020) accounts it: fp32 training keeps parameters
     4, gradients 4 and the two moments 8; bf16 mixed precision keeps parameters 2, gradients 2 and
     K = 12 bytes of fp32 state (master, two moments). Stage 0 keeps everything on every rank;
@@ -34,7 +35,8 @@ PATHS = ("stage0", "stage1", "zero3", "zero3_sparse_replica")
 
 
 def scape_stage01_bytes(numel: int, world_size: int, chunk_size: int, k_per_chunk: int, param_bytes: int,
-                        error_feedback_bytes: int, compressor: str = "scape") -> dict[str, int]:
+                        error_feedback_bytes: int, compressor: str = "scape",
+                        update_rule: str = "lazy", reselect: bool = False) -> dict[str, int]:
     """Exact bytes ScapeAdamS holds on one rank for one group of ``numel`` sparse elements (after its
     first step, masks included). Keys as ``ScapeAdamS.memory_bytes()``."""
     D, C = world_size, chunk_size
@@ -51,6 +53,9 @@ def scape_stage01_bytes(numel: int, world_size: int, chunk_size: int, k_per_chun
         momentum=state * S,
         error_feedback=0 if compressor == "dense" else error_feedback_bytes * n_pad,
         masks=masks,
+        # scape.update_rule: "catchup" keeps v on the owned shard, "sign_drift" an int8 sign per coordinate;
+        # reselect_interval > 0 an int32 decay mark per owned coordinate
+        rule_state=dict(catchup=state * S, sign_drift=n_pad).get(update_rule, 0) + (4 * S if reselect else 0),
     )
 
 

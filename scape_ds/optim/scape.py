@@ -14,6 +14,11 @@ fp32 master weights and momentum. One step, after backward, on rank r (mask M sh
      the whole ``a`` is sent, which flushes every residual) and afterwards each owner selects its
      part of the next mask chunk-wise from |m|; the masks travel in an asynchronous all-gather that
      runs while the next step computes forward/backward, and are used from the next step on.
+  6. ``reselect_interval`` R > 0: every R steps inside a window each owner also re-chooses its part of
+     the mask from ``|beta1 m + (1 - beta1) e_r|`` on its shard (the momentum each coordinate would
+     have if its unsent residual entered now; no flush; weight decay then kept per coordinate with an
+     int32 mark, so it stays exact). ``update_rule`` (``update_rules.py``): what else a refresh or a
+     sparse step does for the coordinates outside the mask.
 
 Small and 1-D tensors are all-reduced densely and updated by every rank alike. The baselines share
 this code: ``compressor="topk"`` (mask from |reduced gradient| of the refresh step), ``"randk"``
@@ -46,6 +51,7 @@ from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
+from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
 __all__ = ["ScapeAdamS"]
 
@@ -74,6 +80,10 @@ class _GroupState:
     pending: PendingMasks = field(default_factory=PendingMasks)  # (D*L,) uint8 encoded masks in flight
     decay_debt: float = 1.0  # weight decay owed by coordinates outside the mask since the refresh
     norm_skip: bool = False  # a copy counted in the gradient norm by another model-parallel rank
+    catchup_second: torch.Tensor | None = None  # (S,) fp32 update_rule "catchup": EMA of a^2 / w
+    drift_sign: torch.Tensor | None = None  # (N_pad,) int8 update_rule "sign_drift": +-1, 0 at the mask
+    decay_mark: torch.Tensor | None = None  # (S,) int32 reselect: the window step each coordinate is decayed to
+    window_decay: list[float] = field(default_factory=lambda: [1.0])  # reselect: prod of 1 - lr*wd in the window
 
 
 class ScapeAdamS(Optimizer):
@@ -140,6 +150,8 @@ class ScapeAdamS(Optimizer):
         self._step = 0
         self._kernels = None
         self._refresh_next = False  # the next step is a dense refresh (no mask: after an elastic load)
+        self._last_dense = 0  # the step of the last dense exchange (update rules: the window it closes)
+        self._dense_steps = 0  # dense exchanges so far
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
@@ -192,6 +204,12 @@ class ScapeAdamS(Optimizer):
                 if self.cfg.compressor != "dense":
                     ef_dtype = torch.bfloat16 if self.cfg.error_feedback_dtype == "bf16" else state_dtype
                     gs.error = torch.zeros(gs.param_slice.numel(), dtype=ef_dtype, device=device)  # (N_pad/G,)
+                if self.cfg.reselect_interval:
+                    gs.decay_mark = torch.zeros(layout.shard_numel, dtype=torch.int32, device=device)  # (S,)
+                if self.cfg.update_rule == "catchup":
+                    gs.catchup_second = torch.zeros_like(gs.momentum)  # (S,) fp32
+                elif self.cfg.update_rule == "sign_drift":
+                    gs.drift_sign = torch.zeros(layout.padded_numel, dtype=torch.int8, device=device)  # (N_pad,)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
@@ -215,6 +233,8 @@ class ScapeAdamS(Optimizer):
         forced, self._refresh_next = self._refresh_next, False
         dense_step = forced or self.schedule.is_dense(t)
         refresh = forced or self.schedule.is_refresh(t)
+        R = self.cfg.reselect_interval
+        reselect = R > 0 and not dense_step and (t - self._last_dense) % R == 0 and not self.schedule.is_dense(t + 1)
         meter = self.comm.meter
         reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
         scale = self._clip_coefficient(reduced)
@@ -222,10 +242,16 @@ class ScapeAdamS(Optimizer):
             self._update_group(group, gs, sparse_g, dense_g, scale, dense_step)
             if refresh and gs.flat_param is not None and self.cfg.compressor != "dense":
                 self._select_next_mask(gs, sparse_g if dense_step else None)
+            elif reselect and gs.flat_param is not None:  # no flush: from m and the owner's unsent residual
+                beta1 = group["betas"][0]
+                pending = gs.error[gs.layout.shard_slice(self.comm.rank)].to(gs.momentum.dtype)  # (S,)
+                self._select_next_mask(gs, None, scores=gs.momentum * beta1 + pending * (1 - beta1))  # (S,) new
             inter, intra = self._dense_bytes(gs)
             meter.record_dense(inter)
             if self._node.meter is not None:
                 self._node.meter.record_dense(intra)
+        if dense_step:
+            self._last_dense, self._dense_steps = t, self._dense_steps + 1
         stats = step_comm_stats(meter, t, dense_step, self._node.meter)
         if self.cfg.log_comm:
             self.comm_stats = stats
@@ -376,21 +402,43 @@ class ScapeAdamS(Optimizer):
         c = 1.0 - beta1**t if group["bias_correction"] else 1.0
         if dense_step:
             # lazy weight decay: coordinates outside the old mask missed it on the sparse steps
-            gs.decay_debt = settle_decay(gs.master, gs.decay_debt, gs.active_local)
+            if gs.decay_mark is not None:  # reselect: each coordinate's decay since its own last update
+                self._catch_up_decay(gs, None)
+                gs.decay_mark.zero_()
+                gs.window_decay = [1.0]
+            else:
+                gs.decay_debt = settle_decay(gs.master, gs.decay_debt, gs.active_local)
             shard = gs.param_slice[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
             out = None if gs.master.data_ptr() == shard.data_ptr() else shard  # bf16: round into the parameters
             # one fused in-place pass; the 1/D of the mean and the clipping factor folded in
+            if self.cfg.update_rule == "window_mean":  # AdamS sees each coordinate's mean gradient per step
+                window_mean(sparse_g, gs.active_local, t - self._last_dense)
             self._kernels.dense_adams_update(gs.master, gs.momentum, sparse_g, out, grad_scale=scale / gs.grad_divisor,
                                              bias_correction=c, **hyper)
+            if gs.catchup_second is not None:  # update_rule "catchup": a window-sized step outside the old mask
+                catchup_step(gs.master, gs.catchup_second, sparse_g, gs.active_local,
+                             grad_scale=scale / gs.grad_divisor, window=t - self._last_dense,
+                             refreshes=self._dense_steps + 1, lr=lr, gain=self.cfg.catchup_gain,
+                             beta=self.cfg.catchup_beta, eps=eps)
+                if out is not None:
+                    out.copy_(gs.master)
             # every rank's new shard, gathered in place: this rank's is already where it belongs
             self.comm.all_gather(gs.param_slice, shard, "param_ag")
             self._node.gather_params(gs.flat_param, gs.param_slice)  # then every slice inside the node
+            if gs.drift_sign is not None:  # update_rule "sign_drift": every rank gets sign(m), one bit each
+                self._gather_signs(gs)
         else:
             if scale != 1.0:
                 sparse_g.mul_(scale)
+            if gs.drift_sign is not None and t - self._last_dense <= self.cfg.drift_steps:
+                self._drift(gs, drift_coefficient(lr, beta1, beta2))
             K = gs.active_index.numel()
             k = K // D
             new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
+            if gs.decay_mark is not None:  # reselect: the mask's decay since each coordinate's last update
+                gs.window_decay.append(gs.window_decay[-1] * (1.0 - lr * wd))
+                self._catch_up_decay(gs, gs.active_local)
+                hyper = dict(hyper, weight_decay=0.0)
             self._kernels.masked_adams_update(gs.master, gs.momentum, gs.active_local, sparse_g, new, bias_correction=c,
                                               **hyper)
             values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
@@ -399,8 +447,42 @@ class ScapeAdamS(Optimizer):
             self._kernels.scatter_values(gs.flat_param, gs.node_index, values)
             gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
 
+    def _catch_up_decay(self, gs: _GroupState, index: torch.Tensor | None) -> None:
+        """reselect: multiply the master at ``index`` (every coordinate when None: a refresh, whose own
+        step's decay the dense update applies) by the decay of the window steps since its mark, and
+        mark it decayed to the newest of them. Masks that change inside a window leave each
+        coordinate a different debt; this pays exactly that (the decay a dense run applies)."""
+        prod = torch.tensor(gs.window_decay, dtype=torch.float64, device=gs.master.device)  # (j+1,)
+        marks = gs.decay_mark if index is None else gs.decay_mark.index_select(0, index)  # (S,) or (k,) int32
+        factor = (prod[-1] / prod[marks.long()]).to(gs.master.dtype)  # (S,) or (k,)
+        if index is None:
+            gs.master.mul_(factor)
+        else:
+            gs.master.index_copy_(0, index, gs.master.index_select(0, index).mul_(factor))
+            gs.decay_mark.index_fill_(0, index, len(gs.window_decay) - 1)
+
+    def _gather_signs(self, gs: _GroupState) -> None:
+        """"sign_drift" at a refresh: all-gather sign(m) of every shard as bits (N/8 bytes) into
+        ``drift_sign``; the padding does not drift, and the next mask is zeroed when it arrives."""
+        bits = pack_signs(gs.momentum)  # (S/8,) uint8
+        gathered = torch.empty(bits.numel() * self.comm.world_size, dtype=torch.uint8,
+                               device=gs.flat_param.device)  # (N_pad/8,) on the communicator's device
+        self.comm.all_gather(gathered, bits, "sign_ag")
+        unpack_signs(gathered, gs.drift_sign)
+        gs.drift_sign[gs.layout.numel:] = 0
+
+    def _drift(self, gs: _GroupState, coefficient: float) -> None:
+        """"sign_drift" on a sparse step: every coordinate outside the mask moves by ``-coefficient *
+        sign``, on every replica alike, and on the owner's master when it is a separate copy."""
+        step = gs.drift_sign.to(gs.flat_param.dtype)  # (N_pad,) 0 at the mask and the padding
+        gs.flat_param.sub_(step, alpha=coefficient)
+        shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
+        if gs.master.data_ptr() != shard.data_ptr():
+            gs.master.sub_(step[gs.layout.shard_slice(self.comm.rank)].to(gs.master.dtype), alpha=coefficient)
+
     # ------------------------------------------------------------------ masks
-    def _select_next_mask(self, gs: _GroupState, reduced_grad: torch.Tensor | None) -> None:
+    def _select_next_mask(self, gs: _GroupState, reduced_grad: torch.Tensor | None,
+                          scores: torch.Tensor | None = None) -> None:
         """Step 5: choose the next mask; SCAPE/top-k start its all-gather, used from the next step."""
         cfg, layout, t = self.cfg, gs.layout, self._step
         gs.pending.wait()  # a refresh that follows a refresh (T=1) supersedes the older mask
@@ -410,7 +492,8 @@ class ScapeAdamS(Optimizer):
             offsets = random_offsets(layout.chunks_per_shard * self.comm.world_size, C, kc, gen)
             self._set_active(gs, offsets.to(gs.flat_param.device))
             return
-        scores = reduced_grad if cfg.compressor == "topk" else gs.momentum
+        if scores is None:
+            scores = reduced_grad if cfg.compressor == "topk" else gs.momentum
         gen = None
         exploration = 0.0 if cfg.dense_refresh else cfg.exploration
         if exploration > 0:
@@ -428,6 +511,8 @@ class ScapeAdamS(Optimizer):
         gs.active_local = gs.active_index[r * k : (r + 1) * k] - r * gs.layout.shard_numel  # (k,) int64
         gs.node_index = self._node.node_index(offsets, gs.active_index, self.cfg.chunk_size, self.cfg.k_per_chunk,
                                               self._kernels)  # (G K,) int64
+        if gs.drift_sign is not None:
+            gs.drift_sign.index_fill_(0, gs.active_index, 0)  # the mask's coordinates take AdamS steps
 
     # ------------------------------------------------------------------ accounting
     def _dense_bytes(self, gs: _GroupState) -> tuple[int, int]:
@@ -451,9 +536,10 @@ class ScapeAdamS(Optimizer):
         """Bytes this rank holds, by buffer, summed over param groups (``scape_ds.optim.memory`` has the
         formulas): ``params`` and ``grads`` (the flat buffers and the dense-exchanged tensors),
         ``master`` (0 when it is a view of the fp32 parameters), ``momentum``, ``error_feedback``,
-        ``masks``. Transient buffers of a step are not counted."""
+        ``masks``, ``rule_state`` (the buffers of a non-lazy ``scape.update_rule`` and of
+        ``scape.reselect_interval``). Transient buffers of a step are not counted."""
         self._lazy_init()
-        total = dict(params=0, grads=0, master=0, momentum=0, error_feedback=0, masks=0)
+        total = dict(params=0, grads=0, master=0, momentum=0, error_feedback=0, masks=0, rule_state=0)
 
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
@@ -468,6 +554,7 @@ class ScapeAdamS(Optimizer):
                 total["master"] += nbytes(gs.master)
             total["momentum"] += nbytes(gs.momentum) + sum(nbytes(m) for m in gs.dense_momenta)
             total["error_feedback"] += nbytes(gs.error)
+            total["rule_state"] += nbytes(gs.catchup_second) + nbytes(gs.drift_sign) + nbytes(gs.decay_mark)
             total["masks"] += nbytes(gs.active_offsets) + nbytes(gs.active_index) + nbytes(gs.active_local)
             if gs.node_index is not gs.active_index:
                 total["masks"] += nbytes(gs.node_index)
@@ -510,6 +597,8 @@ class ScapeAdamS(Optimizer):
                 master=_clone(gs.master), momentum=_clone(gs.momentum), error=_clone(gs.error),
                 active_offsets=_clone(gs.active_offsets), decay_debt=gs.decay_debt,
                 dense_momenta=[m.clone() for m in gs.dense_momenta],
+                catchup_second=_clone(gs.catchup_second), drift_sign=_clone(gs.drift_sign),
+                decay_mark=_clone(gs.decay_mark), window_decay=list(gs.window_decay),
                 numel=gs.layout.numel, padded_numel=gs.layout.padded_numel,
             ))
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -517,6 +606,7 @@ class ScapeAdamS(Optimizer):
             step=self._step, rank=self.comm.rank, world_size=self.comm.world_size,
             node_rank=self._node.rank, node_size=self._node.size,
             config=self.cfg.model_dump(), groups=groups, refresh_next=self._refresh_next,
+            last_dense=self._last_dense, dense_steps=self._dense_steps,
         ))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -533,6 +623,15 @@ class ScapeAdamS(Optimizer):
         check_same_layout(sc["rank"], sc["world_size"], self.comm.rank, self.comm.world_size, "ScapeAdamS")
         check_same_layout(sc.get("node_rank", 0), sc.get("node_size", 1), self._node.rank, self._node.size,
                           "ScapeAdamS (node group)")
+        saved_rule = sc.get("config", {}).get("update_rule", "lazy")
+        if saved_rule != self.cfg.update_rule:
+            raise ValueError(f"checkpoint was saved with scape.update_rule {saved_rule!r}, this run has "
+                             f"{self.cfg.update_rule!r}: their optimizer states differ; resume with {saved_rule!r}")
+        saved_reselect = bool(sc.get("config", {}).get("reselect_interval", 0))
+        if saved_reselect != bool(self.cfg.reselect_interval):
+            raise ValueError(f"checkpoint was saved with scape.reselect_interval "
+                             f"{sc['config'].get('reselect_interval', 0)}, this run has {self.cfg.reselect_interval}: "
+                             f"their weight-decay states differ; resume with both 0 or both > 0")
         self._lazy_init()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
@@ -545,6 +644,10 @@ class ScapeAdamS(Optimizer):
             _copy_into(gs.master, saved["master"])
             _copy_into(gs.momentum, saved["momentum"])
             _copy_into(gs.error, saved["error"])
+            _copy_into(gs.catchup_second, saved.get("catchup_second"))
+            _copy_into(gs.drift_sign, saved.get("drift_sign"))
+            _copy_into(gs.decay_mark, saved.get("decay_mark"))
+            gs.window_decay = list(saved.get("window_decay", [1.0]))
             for m, s in zip(gs.dense_momenta, saved["dense_momenta"]):
                 m.copy_(s)
             gs.pending.drop()
@@ -562,6 +665,7 @@ class ScapeAdamS(Optimizer):
                 self.comm.all_gather(gs.flat_param, shard, "init")
         self._step = sc["step"]
         self._refresh_next = bool(sc.get("refresh_next", False))
+        self._last_dense, self._dense_steps = sc.get("last_dense", 0), sc.get("dense_steps", 0)
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:

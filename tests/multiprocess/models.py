@@ -43,3 +43,26 @@ def dense_adams_reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: 
         dist.all_reduce(p.grad)
         p.grad.div_(world_size)
     opt.step()
+
+
+class SentLedger:
+    """One rank's error-feedback account: every local gradient it produced and everything it sent,
+    (N_pad,) float64. Nothing is lost when sent + the error buffer equals what was produced."""
+
+    def __init__(self):
+        self.produced: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
+
+    def add(self, opt, packet: torch.Tensor, grad: torch.Tensor, index: torch.Tensor | None) -> float:
+        """Book one step: ``grad`` (this rank's local gradient), ``packet`` (what it sent: everything, or
+        the values at ``index``). Returns max |sent + residual - produced|."""
+        error = opt.error_feedback().double()
+        if self.produced is None:
+            self.produced = torch.zeros_like(error)
+            self.sent = torch.zeros_like(error)
+        self.produced[: grad.numel()] += grad.double()
+        if index is None:
+            self.sent += packet.double()
+        else:
+            self.sent.index_add_(0, index, packet.double())
+        return float((self.sent + error - self.produced).abs().max())

@@ -81,7 +81,7 @@ def _worker(rank, world_size, tmp_path, scape, dtype, staging):
     sc = opt.cfg
     ef = DTYPE_BYTES[sc.error_feedback_dtype] if dtype != torch.float64 else 8
     want = scape_stage01_bytes(n, world_size, sc.chunk_size, sc.k_per_chunk, model[0].weight.element_size(), ef,
-                               sc.compressor)
+                               sc.compressor, sc.update_rule, sc.reselect_interval > 0)
     opt.synchronize()
     return dict(recorded=recorded, views=views, copies=opt.grad_copies, memory=mem, want=want, n=n)
 

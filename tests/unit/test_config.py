@@ -30,6 +30,11 @@ def test_defaults_and_derived_values():
         ({"param_exchange": "sparse"}, "scape.param_exchange", "'dense' or 'sparse_replica'"),
         ({"error_feedback_dtype": "fp16"}, "scape.error_feedback_dtype", "'fp32' or 'bf16'"),
         ({"sparsity": "lots"}, "scape.sparsity", "valid number"),
+        ({"update_rule": "linear"}, "scape.update_rule", "'lazy', 'catchup', 'sign_drift' or 'window_mean'"),
+        ({"catchup_beta": 1.0}, "scape.catchup_beta", "[0, 1)"),
+        ({"catchup_gain": 0.0}, "scape.catchup_gain", "must be > 0, got 0.0"),
+        ({"drift_steps": 0}, "scape.drift_steps", "must be an integer >= 1, got 0"),
+        ({"reselect_interval": -1}, "scape.reselect_interval", "must be >= 0, got -1"),
         ({"sparsityy": 0.9}, "scape.sparsityy", "unknown field; allowed fields: compressor, sparsity"),
     ],
 )
@@ -44,6 +49,26 @@ def test_every_bad_value_names_field_and_range(block, field, allowed):
 def test_topk_needs_dense_refresh():
     with pytest.raises(ValueError, match="dense_refresh"):
         parse_scape_config({"compressor": "topk", "dense_refresh": False})
+
+
+@pytest.mark.parametrize(
+    "block,message",
+    [
+        ({"update_rule": "catchup", "dense_refresh": False}, "update_rule='catchup' acts at dense refresh steps"),
+        ({"update_rule": "sign_drift", "compressor": "randk"}, "needs compressor 'scape' or 'topk'"),
+        ({"update_rule": "window_mean", "hierarchy": "node"}, "built for hierarchy 'flat' only"),
+        ({"update_rule": "sign_drift", "drift_steps": 100}, "drift_steps must be in [1, mask_refresh_interval=100)"),
+        ({"reselect_interval": 100}, "reselect_interval must be 0 or in [1, mask_refresh_interval=100), got 100"),
+        ({"reselect_interval": 25, "update_rule": "catchup"}, "reselect_interval needs update_rule 'lazy'"),
+        ({"reselect_interval": 25, "dense_refresh": False}, "reselect_interval needs update_rule 'lazy'"),
+    ],
+)
+def test_update_rule_combinations_are_one_line_errors(block, message):
+    with pytest.raises(ValueError) as err:
+        parse_scape_config(block)
+    assert "\n" not in str(err.value) and message in str(err.value), str(err.value)
+    if "reselect_interval" not in block:
+        parse_scape_config({k: v for k, v in block.items() if k != "update_rule"})  # fine under "lazy"
 
 
 def test_not_a_dict():
@@ -84,3 +109,20 @@ def test_split_by_node_groups_local_ranks_across_nodes():
     assert nodes == [[0, 2], [4, 6]] and cross == [[0, 4], [2, 6]]
     with pytest.raises(ValueError, match="same number of data-parallel ranks on every node"):
         split_by_node([0, 1, 2], [0, 0, 1])
+
+
+def test_every_bundled_ds_config_has_a_valid_scape_block():
+    import glob
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs")
+    names = sorted(glob.glob(os.path.join(root, "*.json")))
+    assert len(names) >= 10
+    for name in names:
+        with open(name) as f:
+            block = json.load(f).get("scape")
+        if block is not None:
+            parse_scape_config(block)  # raises on a bad field
+    with open(os.path.join(root, "scape_reselect.json")) as f:
+        assert json.load(f)["scape"]["reselect_interval"] == 50

@@ -432,3 +432,11 @@ def test_hierarchical_states_are_refused_in_one_line():
         st["scape"]["node_size"] = 2
     with pytest.raises(ValueError, match="saved with scape.hierarchy 'node' \\(2 ranks per node\\)"):
         reshard_scape_state(states, 0, 1)
+
+
+def test_update_rule_states_are_refused_in_one_line():
+    states = _old_states(2, steps=1)
+    for st in states:
+        st["scape"]["config"]["update_rule"] = "sign_drift"
+    with pytest.raises(ValueError, match="saved with scape.update_rule 'sign_drift': elastic resume re-shards"):
+        reshard_scape_state(states, 0, 1)
