@@ -143,6 +143,10 @@ def _check_old_scape(sc: dict, rank: int, world_size: int) -> dict:
     if rule != "lazy":
         raise ValueError(f"old rank {rank} was saved with scape.update_rule {rule!r}: elastic resume re-shards "
                          "the 'lazy' state only (resume on the same world size)")
+    if sc.get("config", {}).get("reselect_interval", 0):
+        raise ValueError(f"old rank {rank} was saved with scape.reselect_interval "
+                         f"{sc['config']['reselect_interval']}: elastic resume re-shards the state of "
+                         "reselect_interval 0 only (resume on the same world size)")
     if (sc["rank"], sc["world_size"]) != (rank, world_size):
         raise ValueError(f"old state {rank} of {world_size} says it is rank {sc['rank']} of {sc['world_size']}")
     return sc

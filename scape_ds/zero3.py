@@ -104,6 +104,9 @@ def check_stage3_config(cfg: dict) -> None:
     if rule != "lazy":
         raise ValueError(f"scape.update_rule {rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
+    if (cfg.get("scape") or {}).get("reselect_interval", 0):
+        raise ValueError("scape.reselect_interval is not built for ZeRO stage 3: use ZeRO stage 0/1 (ScapeAdamS), "
+                         "or reselect_interval 0 under stage 3")
 
 
 _EVERYTHING = sys.maxsize

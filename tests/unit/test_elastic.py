@@ -440,3 +440,7 @@ def test_update_rule_states_are_refused_in_one_line():
         st["scape"]["config"]["update_rule"] = "sign_drift"
     with pytest.raises(ValueError, match="saved with scape.update_rule 'sign_drift': elastic resume re-shards"):
         reshard_scape_state(states, 0, 1)
+    for st in states:
+        st["scape"]["config"].update(update_rule="lazy", reselect_interval=50)
+    with pytest.raises(ValueError, match="saved with scape.reselect_interval 50: elastic resume re-shards"):
+        reshard_scape_state(states, 0, 1)
