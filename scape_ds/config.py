@@ -82,7 +82,8 @@ class ScapeConfig(BaseModel):
     parameter / D). 0 (default): the mask changes at refreshes only (at sparsity 0.9, R=50 was worse
     over 1500 steps in bench/RESULTS.md).
     At sparsity 0.99, R=50 with T=100 and lr 6e-3 reached 2.2% lower validation loss than R=0 at the
-    same bytes (one seed, 0.45M parameters): set it there. Needs update_rule "lazy", compressor
+    same bytes on the 0.45M-parameter GPT (1500 steps) but 2.8% higher at 4x the parameters (2000
+    steps): not recommended yet. Needs update_rule "lazy", compressor
     "scape", dense_refresh, hierarchy "flat"; 0 or 1 <= R < mask_refresh_interval."""
 
     exploration: float = 0.1

@@ -124,5 +124,3 @@ def test_every_bundled_ds_config_has_a_valid_scape_block():
             block = json.load(f).get("scape")
         if block is not None:
             parse_scape_config(block)  # raises on a bad field
-    with open(os.path.join(root, "scape_reselect.json")) as f:
-        assert json.load(f)["scape"]["reselect_interval"] == 50
