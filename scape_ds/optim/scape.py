@@ -445,7 +445,8 @@ class ScapeAdamS(Optimizer):
             self.comm.all_gather(values, new, "param_ag")
             values = self._node.gather_values(values)  # (G K,) every slice's, in the node
             self._kernels.scatter_values(gs.flat_param, gs.node_index, values)
-            gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
+            if gs.decay_mark is None:  # reselect keeps its decay in the marks, not in one debt
+                gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
 
     def _catch_up_decay(self, gs: _GroupState, index: torch.Tensor | None) -> None:
         """reselect: multiply the master at ``index`` (every coordinate when None: a refresh, whose own

@@ -28,7 +28,7 @@ the scale of windows": with ``catchup_beta = 0`` exactly ``catchup_gain * lr * w
 with ``catchup_beta > 0`` at most ``catchup_gain * lr * w / sqrt(1 - catchup_beta)``. The new
 values travel in the refresh step's dense all-gather, so the bytes are those of "lazy"; error
 feedback is the same (it carries raw gradients, and the refresh flushes it). Extra memory: ``v``,
-4 bytes per owned coordinate (4N/D per rank), and two (S,) fp32 temporaries at a refresh step.
+4 bytes per owned coordinate (4N/D per rank), and four (S,) fp32 temporaries at a refresh step.
 At sparsity 0 (compressor "dense") there is no window and no catch-up: "lazy" exactly.
 
 ``"sign_drift"`` (AdamS's own step between refreshes, from one bit per coordinate): on the refresh
