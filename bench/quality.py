@@ -4,7 +4,7 @@
     python bench/quality.py                           # every run (also the lr 1e-3 and lr_high sets), ~2.5 h
     python bench/quality.py --runs adamw,scape99 --steps 2000 --n-layer 4 --n-embd 192 --seed 7
     python bench/quality.py --runs scape90,scape99 --lr 6e-3      # any row at another learning rate
-    python bench/quality.py --plot-only                # table and plot from bench/quality_*.csv
+    python bench/quality.py --plot-only                # tables and plots from bench/quality_*.csv
     python bench/quality.py --import-legacy DIR        # summary rows from a results dir of the old layout
 
 Every run trains the same byte-level GPT on the bundled World English Bible (fixed validation split)
@@ -26,7 +26,9 @@ where it stopped when the same command is run again, and gives the same losses a
 What git keeps (written by every invocation unless --no-summary): ``bench/quality_summary.csv`` (one
 row per run id: method, settings, final validation loss, bytes sent / dense, wall time, diagnostics,
 git revision, library versions, the command), ``bench/quality_curves.csv`` (validation loss at the
-eval points) and ``bench/quality_val_loss.png``. Rows of this invocation replace rows with the same id.
+eval points), ``bench/quality_val_loss.png`` (every curve) and ``bench/quality_best_lr.png`` (per model
+size: dense AdamW, dense AdamS, SCAPE 0.9 and 0.99, top-k 0.99 and the best other 0.99 configuration, each
+at its best lr; the same as a table on stdout). Rows of this invocation replace rows with the same id.
 
 Diagnostics (rank 0, from the parameters after every optimizer step, see :class:`Diagnostics`): per
 window of --diag-window steps the fraction of coordinates that changed at least once in the window and
@@ -43,7 +45,8 @@ Higher lrs (``lr_high``): dense AdamW at 6e-3, SCAPE 0.9 and 0.99 at 4.5e-3, 6e-
 Hierarchical: ``scape99_hier`` (``hierarchy "node"``, 2 ranks per node; ``--runs scape99,scape99_hier --ranks 4``).
 Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``drift99*`` (K = 1-30),
 ``wmean99``, and ``scape995_T50`` (lazy at 0.995 with T=50: about the bytes of 0.99 at T=100); the
-screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3).
+screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). The best setting of each
+rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
 ``hier``, ``update_rules``, ``all``.
 """
@@ -54,6 +57,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -128,6 +132,12 @@ RUNS: dict[str, tuple] = {
     "wmean99": ("SCAPE 0.99 window_mean, T=100", "scape.json", dict(update_rule="window_mean")),
     "drift99": ("SCAPE 0.99 sign_drift K=10, T=100", "scape.json", dict(update_rule="sign_drift")),
     "drift99_K3": ("SCAPE 0.99 sign_drift K=3, T=100", "scape.json", dict(update_rule="sign_drift", drift_steps=3)),
+    # the best setting of each rule at 0.99, at 0.9
+    "catchup90_g0.01": ("SCAPE 0.9 catchup gain 0.01, T=100", "scape.json",
+                        dict(sparsity=0.9, update_rule="catchup", catchup_gain=0.01)),
+    "drift90_K1": ("SCAPE 0.9 sign_drift K=1, T=100", "scape.json",
+                   dict(sparsity=0.9, update_rule="sign_drift", drift_steps=1)),
+    "wmean90": ("SCAPE 0.9 window_mean, T=100", "scape.json", dict(sparsity=0.9, update_rule="window_mean")),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -155,6 +165,7 @@ SUMMARY_COLUMNS = ["run", "method", "update_rule", "sparsity", "mask_refresh_int
                    "command"]
 CURVE_COLUMNS = ["run", "step", "val_loss"]
 SUMMARY_CSV, CURVES_CSV, PLOT_PNG = "quality_summary.csv", "quality_curves.csv", "quality_val_loss.png"
+BEST_PNG = "quality_best_lr.png"  # each configuration at its best lr, per size: the issue's targets
 CKPT_STATE = "quality_state.pt"  # the diagnostics' state, saved inside each checkpoint tag directory
 
 
@@ -754,6 +765,92 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     plt.close(fig)
 
 
+_LR_SUFFIX = re.compile(r", lr [0-9.e+-]+$")
+# the configurations the targets compare, drawn in every panel of BEST_PNG that has them
+TARGET_CONFIGS = ["dense AdamW", "dense AdamS", "SCAPE 0.9, T=100", "SCAPE 0.99, T=100", "grad top-k + EF 0.99, T=100"]
+
+
+def config_key(row: dict) -> str:
+    """What a row ran, less its learning rate: its label without a trailing ``, lr X``."""
+    return _LR_SUFFIX.sub("", row["label"])
+
+
+def best_by_lr(rows: dict[str, dict]) -> dict[tuple, dict[str, tuple[dict, list[float]]]]:
+    """Per settings (size, steps, seed, ranks, split): each configuration's row at its best (lowest
+    validation loss) learning rate, and the sorted learning rates it was run at."""
+    groups: dict[tuple, dict[str, tuple[dict, list[float]]]] = {}
+    for r in rows.values():
+        g = groups.setdefault(_settings(r), {})
+        best, lrs = g.get(config_key(r), (r, []))
+        if _num(r["val_loss"]) < _num(best["val_loss"]):
+            best = r
+        g[config_key(r)] = (best, sorted(set(lrs) | {_num(r["lr"])}))
+    return groups
+
+
+def best_table(rows: dict[str, dict]) -> str:
+    """Markdown table, per settings that have a dense AdamW row: every configuration at its best lr,
+    best first, with its ratio to dense AdamW at *its* best lr."""
+    lines = ["| model, steps | configuration | best lr (of the lrs run) | val loss | / best dense AdamW "
+             "| bytes / dense |", "|---|---|---|---|---|---|"]
+    for key, g in sorted(best_by_lr(rows).items()):
+        if "dense AdamW" not in g:
+            continue
+        ref = _num(g["dense AdamW"][0]["val_loss"])
+        n_layer, n_embd, steps, seed, ranks, _ = key
+        for name, (r, lrs) in sorted(g.items(), key=lambda kv: _num(kv[1][0]["val_loss"])):
+            lr_list = ", ".join(f"{x:g}" for x in lrs)
+            lines.append(f"| {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks | {name} | "
+                         f"{_num(r['lr']):g} ({lr_list}) | {_num(r['val_loss']):.4f} | "
+                         f"{_num(r['val_loss']) / ref:.3f}x | {_num(r['bytes_frac']):.2%} |")
+    return "\n".join(lines)
+
+
+def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
+    """Validation curves of TARGET_CONFIGS at their best lrs, plus the best other SCAPE configuration at
+    sparsity 0.99 within 3% of the dense bytes; one panel per settings with a dense AdamW row and a SCAPE row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for key, g in sorted(best_by_lr(rows).items()):
+        shown = [c for c in TARGET_CONFIGS if c in g]
+        others = [c for c, (r, _) in g.items() if c not in TARGET_CONFIGS and r["method"] == "scape"
+                  and _num(r["sparsity"]) == 0.99 and _num(r["bytes_frac"]) <= 0.03]
+        if others:
+            shown.append(min(others, key=lambda c: _num(g[c][0]["val_loss"])))
+        if "dense AdamW" in g and any(g[c][0]["method"] == "scape" for c in shown):
+            panels.append((key, g, shown))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (key, g, shown) in zip(axes[0], panels):
+        ref = _num(g["dense AdamW"][0]["val_loss"])
+        top = 0.0
+        for c in shown:
+            r, lrs = g[c]
+            if not curves.get(r["run"]):
+                continue
+            steps, vals = zip(*curves[r["run"]])
+            top = max(top, vals[len(vals) // 5])
+            ax.plot(steps, vals, "k--" if c == "dense AdamW" else "-", marker=".", markersize=3,
+                    label=f"{c}: lr {_num(r['lr']):g} (best of {len(lrs)}), {_num(r['val_loss']):.4f} = "
+                          f"{_num(r['val_loss']) / ref:.3f}x, {_num(r['bytes_frac']):.1%} of bytes")
+        n_layer, n_embd, steps_, seed, ranks, _ = key
+        ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps_} steps, seed {seed}, {ranks} ranks",
+                     fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylim(top=top + 0.1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0][0].set_ylabel("validation loss (nats/byte)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -762,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
                          + ", ".join(f"{g} ({len(v)} runs)" for g, v in GROUPS.items()))
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "quality"), help="raw output (git-ignored)")
     ap.add_argument("--bench-dir", default=os.path.join(REPO, "bench"),
-                    help=f"where {SUMMARY_CSV}, {CURVES_CSV} and {PLOT_PNG} are merged and drawn")
+                    help=f"where {SUMMARY_CSV}, {CURVES_CSV}, {PLOT_PNG} and {BEST_PNG} are merged and drawn")
     ap.add_argument("--no-summary", action="store_true", help="leave the CSVs and plot of --bench-dir alone")
     ap.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     ap.add_argument("--n-layer", type=int, default=DEFAULTS["n_layer"])
@@ -776,7 +873,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-at", type=int, default=None,
                     help="stop every run at this step (checkpointed; rerun resumes)")
     ap.add_argument("--force", action="store_true", help="rerun runs that already have results (from scratch)")
-    ap.add_argument("--plot-only", action="store_true", help="table and plot from --bench-dir's CSVs")
+    ap.add_argument("--plot-only", action="store_true", help="tables and plots from --bench-dir's CSVs")
     ap.add_argument("--import-legacy", metavar="DIR", help="add the runs of an old-layout results dir to the CSVs")
     return ap
 
@@ -809,9 +906,13 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 0 if args.stop_at else 1
     print(table(rows))
+    print()
+    print(best_table(rows))
     if not args.no_summary:
         plot(rows, curves, os.path.join(args.bench_dir, PLOT_PNG))
-        print(f"summary: {os.path.join(args.bench_dir, SUMMARY_CSV)}; plot: {os.path.join(args.bench_dir, PLOT_PNG)}")
+        plot_best(rows, curves, os.path.join(args.bench_dir, BEST_PNG))
+        print(f"summary: {os.path.join(args.bench_dir, SUMMARY_CSV)}; plots: {os.path.join(args.bench_dir, PLOT_PNG)}, "
+              f"{os.path.join(args.bench_dir, BEST_PNG)}")
     return 0
 
 

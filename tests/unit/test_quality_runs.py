@@ -215,3 +215,32 @@ def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
     quality.update_displacement_ratios(str(tmp_path))
     ratio = {rid: json.loads((tmp_path / f"{rid}.json").read_text())["displacement_vs_adams"] for rid in runs}
     assert ratio == {"adams_lr1e-3__steps100": 1.0, "scape99_lr1e-3__steps100": 0.25, "scape99__steps100": ""}
+
+
+def test_best_lr_table_and_plot(tmp_path):
+    small = dict(n_layer=2, n_embd=128, steps=20, seed=1234, ranks=2, val_fraction=0.05)
+
+    def row(rid, label, method, lr, val, bytes_frac=1.0, sparsity="", settings=small):
+        return rid, dict(settings, run=rid, label=label, method=method, lr=lr, val_loss=val, bytes_frac=bytes_frac,
+                         sparsity=sparsity)
+
+    rows = dict([
+        row("adamw__steps20", "dense AdamW", "adamw", 3e-3, 2.0),
+        row("adamw_lr1e-3__steps20", "dense AdamW, lr 1e-3", "adamw", 1e-3, 1.8),
+        row("scape99__steps20", "SCAPE 0.99, T=100", "scape", 3e-3, 2.7, 0.0278, 0.99),
+        row("scape99__steps20_lr0.006", "SCAPE 0.99, T=100", "scape", 6e-3, 2.25, 0.0278, 0.99),
+        row("reselect99_R50__steps20", "SCAPE 0.99, T=100, masks re-chosen every 50 steps", "scape", 6e-3, 2.16,
+            0.0278, 0.99),
+        row("scape99__steps30", "SCAPE 0.99, T=100", "scape", 3e-3, 2.5, 0.0278, 0.99, dict(small, steps=30)),
+    ])
+    groups = quality.best_by_lr(rows)
+    g = groups[quality._settings(rows["adamw__steps20"])]
+    assert g["dense AdamW"][0]["run"] == "adamw_lr1e-3__steps20" and g["dense AdamW"][1] == [1e-3, 3e-3]
+    assert g["SCAPE 0.99, T=100"][0]["run"] == "scape99__steps20_lr0.006"
+    lines = quality.best_table(rows).splitlines()[2:]
+    assert [line.split(" | ")[1] for line in lines] == [  # best first; the 30-step group has no AdamW row
+        "dense AdamW", "SCAPE 0.99, T=100, masks re-chosen every 50 steps", "SCAPE 0.99, T=100"]
+    assert lines[2].endswith("| SCAPE 0.99, T=100 | 0.006 (0.003, 0.006) | 2.2500 | 1.250x | 2.78% |")
+    curves = {rid: [(10, r["val_loss"] + 0.5), (20, r["val_loss"])] for rid, r in rows.items()}
+    quality.plot_best(rows, curves, str(tmp_path / quality.BEST_PNG))
+    assert os.path.getsize(tmp_path / quality.BEST_PNG) > 0
