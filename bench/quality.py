@@ -722,6 +722,19 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _save_png(fig, path: str) -> None:
+    """Write ``fig`` as a 64-colour palette PNG (a line plot needs no more; a quarter of the bytes, so
+    bench/ stays small in git). Pillow comes with matplotlib."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    buf.seek(0)
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
 def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     """Validation loss vs step, one panel per (settings, learning-rate class: 3e-3, 1e-3, others), each with
     dense AdamW at its default lr dashed when it is not in the panel."""
@@ -761,7 +774,7 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     axes[0][0].set_ylabel("validation loss (nats/byte)")
     axes[0][0].set_ylim(top=3.2)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save_png(fig, path)
     plt.close(fig)
 
 
@@ -847,7 +860,7 @@ def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None
         ax.legend(fontsize=7, loc="upper right")
     axes[0][0].set_ylabel("validation loss (nats/byte)")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save_png(fig, path)
     plt.close(fig)
 
 
