@@ -793,11 +793,11 @@ def best_by_lr(rows: dict[str, dict]) -> dict[tuple, dict[str, tuple[dict, list[
     validation loss) learning rate, and the sorted learning rates it was run at."""
     groups: dict[tuple, dict[str, tuple[dict, list[float]]]] = {}
     for r in rows.values():
-        g = groups.setdefault(_settings(r), {})
-        best, lrs = g.get(config_key(r), (r, []))
+        g, key = groups.setdefault(_settings(r), {}), config_key(r)
+        best, lrs = g.get(key, (r, []))
         if _num(r["val_loss"]) < _num(best["val_loss"]):
             best = r
-        g[config_key(r)] = (best, sorted(set(lrs) | {_num(r["lr"])}))
+        g[key] = (best, sorted(set(lrs) | {_num(r["lr"])}))
     return groups
 
 

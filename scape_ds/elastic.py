@@ -139,13 +139,14 @@ def _check_old_scape(sc: dict, rank: int, world_size: int) -> dict:
     if sc.get("node_size", 1) > 1:
         raise ValueError(f"old rank {rank} was saved with scape.hierarchy 'node' ({sc['node_size']} ranks per node): "
                          "elastic resume supports flat data parallelism only")
-    rule = sc.get("config", {}).get("update_rule", "lazy")
+    config = sc.get("config", {})
+    rule = config.get("update_rule", "lazy")
     if rule != "lazy":
         raise ValueError(f"old rank {rank} was saved with scape.update_rule {rule!r}: elastic resume re-shards "
                          "the 'lazy' state only (resume on the same world size)")
-    if sc.get("config", {}).get("reselect_interval", 0):
+    if config.get("reselect_interval", 0):
         raise ValueError(f"old rank {rank} was saved with scape.reselect_interval "
-                         f"{sc['config']['reselect_interval']}: elastic resume re-shards the state of "
+                         f"{config['reselect_interval']}: elastic resume re-shards the state of "
                          "reselect_interval 0 only (resume on the same world size)")
     if (sc["rank"], sc["world_size"]) != (rank, world_size):
         raise ValueError(f"old state {rank} of {world_size} says it is rank {sc['rank']} of {sc['world_size']}")

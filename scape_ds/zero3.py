@@ -96,15 +96,16 @@ def check_stage3_config(cfg: dict) -> None:
     refused = refused_settings(cfg, 3)
     if refused:
         raise ValueError(refusal_message(refused, 3))
-    hierarchy = (cfg.get("scape") or {}).get("hierarchy", "flat")
+    sc = cfg.get("scape") or {}
+    hierarchy = sc.get("hierarchy", "flat")
     if hierarchy != "flat":
         raise ValueError(f"scape.hierarchy {hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS) for the hierarchical exchange, or hierarchy 'flat' under stage 3")
-    rule = (cfg.get("scape") or {}).get("update_rule", "lazy")
+    rule = sc.get("update_rule", "lazy")
     if rule != "lazy":
         raise ValueError(f"scape.update_rule {rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
-    if (cfg.get("scape") or {}).get("reselect_interval", 0):
+    if sc.get("reselect_interval", 0):
         raise ValueError("scape.reselect_interval is not built for ZeRO stage 3: use ZeRO stage 0/1 (ScapeAdamS), "
                          "or reselect_interval 0 under stage 3")
 
