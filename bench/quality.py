@@ -138,6 +138,20 @@ RUNS: dict[str, tuple] = {
     "drift90_K1": ("SCAPE 0.9 sign_drift K=1, T=100", "scape.json",
                    dict(sparsity=0.9, update_rule="sign_drift", drift_steps=1)),
     "wmean90": ("SCAPE 0.9 window_mean, T=100", "scape.json", dict(sparsity=0.9, update_rule="window_mean")),
+    # basis "dct" (ds_configs/scape_dct.json: per_rank mask, sign update, clip_local 1, ef_decay 0.999)
+    "dct99": ("SCAPE dct 0.99, per-rank masks", "scape_dct.json", {}),
+    "dct99_shared": ("SCAPE dct 0.99, shared mask (nominated union)", "scape_dct.json", dict(mask="shared")),
+    "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
+    "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
+                     dict(sparsity=0.9, mask="shared")),
+    "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
+    "dct99_adams": ("SCAPE dct 0.99, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
+                    dict(dct_update="adams")),
+    "dct99_shared_adams": ("SCAPE dct 0.99, shared mask, AdamS on the decoded mean", "scape_dct.json",
+                           dict(mask="shared", dct_update="adams")),
+    # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
+    # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
+    "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -147,9 +161,10 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 HIER = ["scape99_hier"]
+DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "all": list(RUNS)}
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.
@@ -158,9 +173,9 @@ DEFAULTS = dict(steps=1500, seed=1234, n_layer=2, n_embd=128, ranks=2, lr=None, 
                 n_head=4, timeout=300.0, ckpt_interval=250, diag_window=100)
 GENERIC = {"seed": "s", "n_layer": "L", "n_embd": "E", "steps": "steps", "ranks": "r", "lr": "lr",
            "val_fraction": "vf"}
-SUMMARY_COLUMNS = ["run", "method", "update_rule", "sparsity", "mask_refresh_interval", "dense_refresh", "lr",
-                   "n_params", "n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction", "val_loss",
-                   "bytes_frac", "wall_s", "frac_updated_last_window", "mean_step_frac_last_window",
+SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", "mask_refresh_interval",
+                   "dense_refresh", "lr", "n_params", "n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction",
+                   "val_loss", "bytes_frac", "wall_s", "frac_updated_last_window", "mean_step_frac_last_window",
                    "mean_abs_displacement", "displacement_vs_adams", "label", "git_rev", "torch", "deepspeed",
                    "command"]
 CURVE_COLUMNS = ["run", "step", "val_loss"]
@@ -258,11 +273,17 @@ def describe(name: str, cfg: dict) -> dict:
     lr = cfg["optimizer"]["params"]["lr"]
     if "scape" not in cfg:
         method = "adamw" if cfg["optimizer"]["type"].lower() == "adamw" else "adams"
-        return dict(method=method, update_rule="", sparsity=0.0, mask_refresh_interval="", dense_refresh="", lr=lr)
+        return dict(method=method, basis="", mask="", update_rule="", sparsity=0.0, mask_refresh_interval="",
+                    dense_refresh="", lr=lr)
     sc = cfg["scape"]
-    return dict(method=sc.get("compressor", "scape"), update_rule=sc.get("update_rule", "lazy"),
-                sparsity=sc["sparsity"], mask_refresh_interval=sc["mask_refresh_interval"],
-                dense_refresh=sc.get("dense_refresh", True), lr=lr)
+    if sc.get("basis") == "dct":  # masks every step: no refresh interval
+        method = "demo" if name == "demo" else "scape"
+        return dict(method=method, basis="dct", mask=sc.get("mask", "per_rank"),
+                    update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval="",
+                    dense_refresh="", lr=lr)
+    return dict(method=sc.get("compressor", "scape"), basis="coordinate", mask="shared",
+                update_rule=sc.get("update_rule", "lazy"), sparsity=sc["sparsity"],
+                mask_refresh_interval=sc["mask_refresh_interval"], dense_refresh=sc.get("dense_refresh", True), lr=lr)
 
 
 def rerun_command(name: str, opts: dict) -> str:

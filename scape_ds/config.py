@@ -9,6 +9,7 @@ Invalid values raise ``ValueError`` naming the field, the value and what is allo
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -131,6 +132,40 @@ class ScapeConfig(BaseModel):
     when ``g // LOCAL_WORLD_SIZE`` agree, or DeepSpeed's ``LOCAL_SIZE``, or MPI's; under
     ``comm_backend="mpi"`` MPI's shared-memory split)."""
 
+    basis: Literal["coordinate", "dct"] = "coordinate"
+    """Where the sparse message lives. ``coordinate``: kept coordinates of the parameters themselves,
+    chosen from the owner's momentum and held for ``mask_refresh_interval`` steps (SCAPE's own mode).
+    ``dct``: coefficients of an orthonormal 2-D DCT-II of each weight matrix cut into square tiles of
+    sqrt(``chunk_size``) x sqrt(``chunk_size``) (64 x 64 at the default 4096; weight edges padded with
+    zeros inside their last tile), error feedback per rank in coefficients, a fresh mask every step
+    (``mask``), and an update formed in real space from the decoded sparse mean (``dct_update``):
+    every parameter moves every step although only k coefficients per tile travel
+    (docs/design.md, "Transform basis"). Stage 0/1, ``hierarchy "flat"`` only; ``mask_refresh_interval``
+    and ``dense_refresh`` do not apply. bench/RESULTS.md ("SCAPE in the DCT basis") has its quality."""
+
+    mask: Literal["per_rank", "shared"] = "per_rank"
+    """``basis="dct"``: ``per_rank``: every rank sends its own top-kc coefficients of each tile with
+    their 16-bit in-tile offsets in one all-gather (DeMo's exchange, arXiv 2411.19870): D k values and
+    offsets received per rank. ``shared``: every rank nominates its top max(1, kc // D) coefficients
+    of each tile from this step's error feedback, the offsets are all-gathered, and the union (padded
+    to D * (kc // D) slots per tile) is one mask for every rank: its values are averaged by a packed
+    reduce-scatter and all-gather, O(k) per rank whatever D."""
+
+    dct_update: Literal["sign", "adams"] = "sign"
+    """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
+    the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
+    optimizer state); ``adams``: one AdamS step on u with a momentum kept on every rank (4 bytes per
+    parameter more than ``sign``; at sparsity 0 this is dense AdamS)."""
+
+    clip_local: float = 0.0
+    """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).
+    DeMo's reference runs clip so (1.0); ``gradient_clipping`` in the DeepSpeed config clips the
+    reduced gradient instead (docs/design.md). >= 0."""
+
+    ef_decay: float = 1.0
+    """``basis="dct"``: the error feedback is ``e = ef_decay * e + Q g`` (DeMo: 0.999); 1.0 keeps every
+    unsent coefficient exactly (sent + kept == accumulated). In (0, 1]."""
+
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
 
@@ -142,6 +177,20 @@ class ScapeConfig(BaseModel):
     def _check_unit_interval(cls, v: float) -> float:
         if not 0.0 <= v < 1.0:
             raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("clip_local")
+    @classmethod
+    def _check_clip(cls, v: float) -> float:
+        if not v >= 0:
+            raise ValueError(f"must be >= 0 (0: off), got {v}")
+        return v
+
+    @field_validator("ef_decay")
+    @classmethod
+    def _check_ef_decay(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
     @field_validator("catchup_gain")
@@ -204,6 +253,17 @@ class ScapeConfig(BaseModel):
             if settings != ("lazy", "scape", True, "flat"):
                 raise ValueError("reselect_interval needs update_rule 'lazy', compressor 'scape', dense_refresh=true "
                                  "and hierarchy 'flat'")
+        if self.basis == "dct":
+            side = math.isqrt(self.chunk_size)
+            if side * side != self.chunk_size:
+                raise ValueError(f"basis 'dct' cuts weights into square tiles of chunk_size elements: chunk_size must "
+                                 f"be a power of 4 (16 ... 65536; 4096 = 64 x 64 tiles), got {self.chunk_size}")
+            settings = dict(compressor=(self.compressor, "scape"), update_rule=(self.update_rule, "lazy"),
+                            reselect_interval=(self.reselect_interval, 0), hierarchy=(self.hierarchy, "flat"),
+                            error_feedback_dtype=(self.error_feedback_dtype, "fp32"))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if bad:
+                raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
         if self.update_rule == "sign_drift" and not 1 <= self.drift_steps < self.mask_refresh_interval:
             raise ValueError(f"drift_steps must be in [1, mask_refresh_interval={self.mask_refresh_interval}), "
                              f"got {self.drift_steps}")
@@ -213,6 +273,11 @@ class ScapeConfig(BaseModel):
     def density(self) -> float:
         """rho = 1 - sparsity."""
         return 1.0 - self.sparsity
+
+    @property
+    def tile_size(self) -> int:
+        """``basis="dct"``: the side of a square tile, sqrt(chunk_size)."""
+        return math.isqrt(self.chunk_size)
 
     @property
     def k_per_chunk(self) -> int:

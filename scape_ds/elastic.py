@@ -144,6 +144,9 @@ def _check_old_scape(sc: dict, rank: int, world_size: int) -> dict:
     if rule != "lazy":
         raise ValueError(f"old rank {rank} was saved with scape.update_rule {rule!r}: elastic resume re-shards "
                          "the 'lazy' state only (resume on the same world size)")
+    if config.get("basis", "coordinate") != "coordinate":
+        raise ValueError(f"old rank {rank} was saved with scape.basis {config['basis']!r}: elastic resume re-shards "
+                         "coordinate-basis state only (resume on the same world size)")
     if config.get("reselect_interval", 0):
         raise ValueError(f"old rank {rank} was saved with scape.reselect_interval "
                          f"{config['reselect_interval']}: elastic resume re-shards the state of "

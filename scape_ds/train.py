@@ -264,8 +264,13 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
     from scape_ds.engine import is_scape_stage3
 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in setup.model.parameters())  # ZeRO-3: full sizes
-    kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}" if opt \
-        else type(setup.engine.optimizer).__name__
+    if opt is None:
+        kind = type(setup.engine.optimizer).__name__
+    elif opt.cfg.basis == "dct":
+        kind = (f"SCAPE dct sparsity {opt.cfg.sparsity} ({opt.cfg.tile_size}x{opt.cfg.tile_size} tiles, "
+                f"{opt.cfg.mask} mask, {opt.cfg.dct_update} update)")
+    else:
+        kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}"
     stage3 = is_scape_stage3(opt)
     intra = getattr(opt, "intra_comm", None)
     if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics

@@ -105,6 +105,10 @@ def check_stage3_config(cfg: dict) -> None:
     if rule != "lazy":
         raise ValueError(f"scape.update_rule {rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
+    if sc.get("basis", "coordinate") != "coordinate":
+        raise ValueError(f"scape.basis {sc['basis']!r} is not built for ZeRO stage 3 (its flat partitions cut weight "
+                         f"matrices across ranks, so 2-D tiles would straddle them): use ZeRO stage 0/1 (ScapeAdamS), "
+                         f"or basis 'coordinate' under stage 3")
     if sc.get("reselect_interval", 0):
         raise ValueError("scape.reselect_interval is not built for ZeRO stage 3: use ZeRO stage 0/1 (ScapeAdamS), "
                          "or reselect_interval 0 under stage 3")

@@ -25,6 +25,7 @@ __all__ = [
     "encode_mask",
     "decode_mask",
     "mask_uses_bitmask",
+    "dct_tiles",
 ]
 
 
@@ -238,3 +239,18 @@ def decode_mask(encoded: torch.Tensor, chunk_size: int, k_per_chunk: int) -> tor
             f"corrupt mask: {positions.numel()} bits set, expected {n_chunks} chunks x {k_per_chunk}"
         )
     return positions.to(torch.int32).to(torch.int16)
+
+
+def dct_tiles(tiles: torch.Tensor, q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The 2-D orthonormal DCT-II of every tile, ``Q X Q^T`` (``inverse``: ``Q^T Y Q``).
+
+    Args:
+        tiles: (n, t, t) fp32.
+        q: (t, t) the DCT-II matrix (``scape_ds.exchange.basis.dct_matrix``).
+
+    Returns:
+        (n, t, t) a new tensor.
+    """
+    if inverse:
+        return torch.matmul(torch.matmul(q.t(), tiles), q)  # (n, t, t)
+    return torch.matmul(torch.matmul(q, tiles), q.t())  # (n, t, t)

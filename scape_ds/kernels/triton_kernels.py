@@ -43,6 +43,8 @@ __all__ = [
     "encode_mask",
     "decode_mask",
     "mask_uses_bitmask",
+    "dct_tiles",
+    "MAX_TRITON_TILE",
 ]
 
 _BLOCK = 1024
@@ -327,3 +329,38 @@ def decode_mask(encoded: torch.Tensor, chunk_size: int, k_per_chunk: int) -> tor
             raise RuntimeError(f"corrupt mask: {int(counts.sum())} bits set, "
                                f"expected {n_chunks} chunks x {k_per_chunk}")
     return out.to(torch.int16)
+
+
+# ------------------------------------------------------------------ 2-D DCT of square tiles (basis "dct")
+MAX_TRITON_TILE = 64  # a t x t fp32 tile and Q held in registers: 64 x 64 is 16 KiB each
+
+
+@triton.jit
+def _dct_tiles_kernel(x_ptr, q_ptr, out_ptr, T: tl.constexpr, INVERSE: tl.constexpr):
+    # one program per tile: Y = Q X Q^T (INVERSE: X = Q^T Y Q), two tl.dot in fp32 ("ieee": no tf32,
+    # so the round trip keeps fp32 accuracy)
+    base = tl.program_id(0).to(tl.int64) * T * T
+    r = tl.arange(0, T)
+    offs = r[:, None] * T + r[None, :]
+    x = tl.load(x_ptr + base + offs)
+    q = tl.load(q_ptr + offs)
+    qt = tl.trans(q)
+    if INVERSE:
+        y = tl.dot(tl.dot(qt, x, input_precision="ieee"), q, input_precision="ieee")
+    else:
+        y = tl.dot(tl.dot(q, x, input_precision="ieee"), qt, input_precision="ieee")
+    tl.store(out_ptr + base + offs, y)
+
+
+def dct_tiles(tiles: torch.Tensor, q: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The 2-D orthonormal DCT-II of every tile (see ``torch_kernels.dct_tiles``): one program per
+    tile, a batched matmul with the DCT matrix by ``tl.dot``. Tiles of side below 16 (``tl.dot``'s
+    minimum) or above ``MAX_TRITON_TILE`` go to the torch kernel."""
+    t = tiles.shape[-1]
+    if t < 16 or t > MAX_TRITON_TILE or tiles.dtype != torch.float32:
+        return torch_kernels.dct_tiles(tiles, q, inverse)
+    x = tiles.contiguous()
+    out = torch.empty_like(x)  # (n, t, t)
+    if x.shape[0]:
+        _dct_tiles_kernel[(x.shape[0],)](x, q.contiguous(), out, T=t, INVERSE=inverse)
+    return out

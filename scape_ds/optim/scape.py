@@ -45,12 +45,14 @@ from torch.optim import Optimizer
 
 from ..comm import Communicator, build_dp_communicators, collective_bytes, collective_device
 from ..config import ScapeConfig, parse_scape_config
+from ..exchange.basis import TileLayout, dct_matrix
 from ..exchange.core import MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay, step_comm_stats
 from ..exchange.layout import FlatLayout, split_dense_sparse
 from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
+from .dct_step import exchange_dct
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
 __all__ = ["ScapeAdamS"]
@@ -84,6 +86,8 @@ class _GroupState:
     drift_sign: torch.Tensor | None = None  # (N_pad,) int8 update_rule "sign_drift": +-1, 0 at the mask
     decay_mark: torch.Tensor | None = None  # (S,) int32 reselect: the window step each coordinate is decayed to
     window_decay: list[float] = field(default_factory=lambda: [1.0])  # reselect: prod of 1 - lr*wd in the window
+    tiles: TileLayout | None = None  # basis "dct": where each weight's tiles lie in the coefficient buffer
+    dct_q: torch.Tensor | None = None  # basis "dct": (t, t) fp32 the DCT-II matrix
 
 
 class ScapeAdamS(Optimizer):
@@ -204,6 +208,13 @@ class ScapeAdamS(Optimizer):
                 if self.cfg.compressor != "dense":
                     ef_dtype = torch.bfloat16 if self.cfg.error_feedback_dtype == "bf16" else state_dtype
                     gs.error = torch.zeros(gs.param_slice.numel(), dtype=ef_dtype, device=device)  # (N_pad/G,)
+                if self.cfg.basis == "dct":  # error feedback in coefficients; no sharded master or momentum
+                    gs.tiles = TileLayout.build(sparse, layout.offsets, self.dp_world_size, self.cfg.tile_size)
+                    gs.dct_q = dct_matrix(self.cfg.tile_size, state_dtype, device)  # (t, t)
+                    gs.error = torch.zeros(gs.tiles.numel, dtype=state_dtype, device=device)  # (tiles t t,)
+                    gs.master = None
+                    # dct_update "adams": AdamS on the decoded mean, its momentum on every rank (N_pad,)
+                    gs.momentum = torch.zeros_like(flat, dtype=state_dtype) if self.cfg.dct_update == "adams" else None
                 if self.cfg.reselect_interval:
                     gs.decay_mark = torch.zeros(layout.shard_numel, dtype=torch.int32, device=device)  # (S,)
                 if self.cfg.update_rule == "catchup":
@@ -230,6 +241,11 @@ class ScapeAdamS(Optimizer):
         self._lazy_init()
         self._step += 1
         t = self._step
+        if self.cfg.clip_local > 0:
+            self._clip_local()
+        if self.cfg.basis == "dct":
+            self._step_dct(t)
+            return loss
         forced, self._refresh_next = self._refresh_next, False
         dense_step = forced or self.schedule.is_dense(t)
         refresh = forced or self.schedule.is_refresh(t)
@@ -256,6 +272,86 @@ class ScapeAdamS(Optimizer):
         if self.cfg.log_comm:
             self.comm_stats = stats
         return loss
+
+    def _step_dct(self, t: int) -> None:
+        """basis "dct" (``dct_step.py``): every step exchanges this step's top coefficients, every rank
+        decodes the same mean u and moves every parameter by it; the dense tensors take AdamS on their
+        all-reduced mean, as in the coordinate basis."""
+        meter, cfg = self.comm.meter, self.cfg
+        decoded = []
+        for gs in self._groups:
+            dense_g = self._reduce_dense(gs)
+            u = None
+            if gs.flat_param is not None:
+                self._attach_grads(gs)
+                u = exchange_dct(self.comm, self._kernels, gs.tiles, gs.dct_q, gs.flat_grad, gs.error, mask=cfg.mask,
+                                 k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay)  # (N_pad,) in flat_grad
+            decoded.append((u, dense_g))
+        scale = self._replicated_clip_coefficient(decoded)
+        for group, gs, (u, dense_g) in zip(self.param_groups, self._groups, decoded):
+            self._update_group(group, gs, None, dense_g, scale, False)  # the dense tensors
+            if u is not None:
+                lr, wd = group["lr"], group["weight_decay"]
+                if cfg.dct_update == "sign":  # DeMo: p = (1 - lr wd) p - lr sign(u); scale-free, no clipping
+                    gs.flat_param.mul_(1.0 - lr * wd).add_(u.sign(), alpha=-lr)
+                else:
+                    beta1, beta2 = group["betas"]
+                    c = 1.0 - beta1**t if group["bias_correction"] else 1.0
+                    self._kernels.dense_adams_update(gs.flat_param, gs.momentum, u, None, grad_scale=scale, lr=lr,
+                                                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=wd,
+                                                     bias_correction=c)
+            meter.record_dense(self._dense_bytes(gs)[0])
+        stats = step_comm_stats(meter, t, False)
+        if cfg.log_comm:
+            self.comm_stats = stats
+
+    def _clip_local(self) -> None:
+        """``scape.clip_local``: scale this rank's own gradients (every param group, before error
+        feedback) so their global norm is at most ``clip_local``; the norm is summed over the other
+        model-parallel ranks of this replica (``norm_group``), copies marked ``scape_norm_skip`` once."""
+        total = 0.0
+        grads = []
+        for gs in self._groups:
+            if gs.flat_grad is not None:
+                self._attach_grads(gs)
+                grads.append(gs.flat_grad)
+                if not gs.norm_skip:
+                    total += float(torch.linalg.vector_norm(gs.flat_grad, dtype=torch.float64).square())
+            for p in gs.dense_params:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    if not getattr(p, "scape_norm_skip", False):
+                        total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64).square())
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            summed = torch.tensor([total], dtype=torch.float64, device=collective_device(self.norm_group))
+            dist.all_reduce(summed, group=self.norm_group)  # model-parallel traffic, one scalar
+            total = float(summed)
+        scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+
+    def _replicated_clip_coefficient(self, decoded) -> float:
+        """basis "dct": the ``gradient_clipping`` factor from the decoded means and dense gradients, which
+        every data-parallel rank holds alike (no data-parallel collective)."""
+        if self.max_grad_norm <= 0:
+            self.last_grad_norm = None
+            return 1.0
+        total = 0.0
+        for gs, (u, dense_g) in zip(self._groups, decoded):
+            if u is not None and not gs.norm_skip:
+                total += float(torch.linalg.vector_norm(u, dtype=torch.float64).square())
+            if dense_g is not None:
+                for p, g in zip(gs.dense_params, torch.split(dense_g, [p.numel() for p in gs.dense_params])):
+                    if not getattr(p, "scape_norm_skip", False):
+                        total += float(g.double().square().sum())
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            summed = torch.tensor([total], dtype=torch.float64, device=collective_device(self.norm_group))
+            dist.all_reduce(summed, group=self.norm_group)
+            total = float(summed)
+        norm = math.sqrt(total)
+        self.last_grad_norm = norm
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
     def _attach_grads(self, gs: _GroupState, count: bool = True) -> None:
         """Make every sparse parameter's ``.grad`` its view into ``flat_grad`` again. A gradient that is
@@ -302,13 +398,8 @@ class ScapeAdamS(Optimizer):
         hierarchy "node" the exchange runs on the node sum of this rank's slice, across nodes.
         """
         D = self.dp_world_size
-        sparse_g = dense_g = None
-        if gs.dense_params:
-            dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
-                                 for p in gs.dense_params])  # (M,) fp32
-            self._node.all_reduce(dense_g, "dense_ar")
-            self.comm.all_reduce(dense_g, "dense_ar")
-            dense_g.div_(D)
+        sparse_g = None
+        dense_g = self._reduce_dense(gs)
         if gs.flat_param is None:
             return sparse_g, dense_g
         kern = self._kernels
@@ -327,6 +418,17 @@ class ScapeAdamS(Optimizer):
         gs.grad_divisor = 1.0
         sparse_g = sparse_g.to(gs.master.dtype).div_(D)  # (k,) fp32 mean
         return sparse_g, dense_g
+
+    def _reduce_dense(self, gs: _GroupState) -> torch.Tensor | None:
+        """The mean over every data-parallel rank of the dense-exchanged tensors' gradients, (M,) fp32
+        (one all-reduce; under hierarchy "node" inside the node first), or None without such tensors."""
+        if not gs.dense_params:
+            return None
+        dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
+                             for p in gs.dense_params])  # (M,) fp32
+        self._node.all_reduce(dense_g, "dense_ar")
+        self.comm.all_reduce(dense_g, "dense_ar")
+        return dense_g.div_(self.dp_world_size)
 
     def _reduce_scatter_dense(self, gs: _GroupState) -> torch.Tensor:
         """Dense step: reduce-scatter ``a = e + g`` (the whole buffer) and empty the error feedback.
@@ -624,6 +726,15 @@ class ScapeAdamS(Optimizer):
         check_same_layout(sc["rank"], sc["world_size"], self.comm.rank, self.comm.world_size, "ScapeAdamS")
         check_same_layout(sc.get("node_rank", 0), sc.get("node_size", 1), self._node.rank, self._node.size,
                           "ScapeAdamS (node group)")
+        saved_cfg = sc.get("config", {})
+        keys = (("basis", "coordinate"),)
+        if self.cfg.basis == "dct":  # the momentum of "adams", the tiles of the error feedback
+            keys += (("dct_update", "sign"), ("chunk_size", 4096))
+        for key, default in keys:  # mask, sparsity, chunk_size... may change: dct masks are chosen every step
+            saved, now = saved_cfg.get(key, default), getattr(self.cfg, key)
+            if saved != now:
+                raise ValueError(f"checkpoint was saved with scape.{key} {saved!r}, this run has {now!r}: their "
+                                 f"optimizer states differ; resume with {key} {saved!r}")
         saved_rule = sc.get("config", {}).get("update_rule", "lazy")
         if saved_rule != self.cfg.update_rule:
             raise ValueError(f"checkpoint was saved with scape.update_rule {saved_rule!r}, this run has "

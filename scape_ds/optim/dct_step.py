@@ -1,0 +1,108 @@
+"""The exchange of ``scape.basis = "dct"``: error feedback, masks and the decoded mean in DCT coefficients.
+
+On data-parallel rank r, per step (docs/design.md, "Transform basis"; :mod:`scape_ds.exchange.basis`
+has the tiles):
+
+  1. ``e_r = ef_decay * e_r + Q g_r``: the local gradient's tile coefficients enter the error feedback.
+  2. the mask, chosen from this step's ``e`` (never one step early: a mask chosen before the send points
+     at the coefficients the last send emptied, 1.34x dense AdamW's loss in the reference harness):
+     - ``mask="per_rank"`` (DeMo, arXiv 2411.19870): rank r's own top-kc ``|e_r|`` of each tile; its
+       values and 16-bit in-tile offsets go out in two all-gathers (D k values and offsets received);
+     - ``mask="shared"`` (the nominated union): rank r nominates its top max(1, kc // D) of each tile,
+       the offsets are all-gathered, and the union of every rank's nominations is the mask for every
+       rank; the values travel packed (D * (kc // D) slots per tile, a repeated offset counted once
+       and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
+  3. what was sent leaves ``e_r`` (``e_r[mask] = 0``): sent + kept == accumulated, coefficient by
+     coefficient.
+  4. every rank sums the received values in the same order into a (numel,) coefficient vector, divides
+     by D and decodes it tile by tile (``Q^T Y Q``) into u, the same dense tensor on every rank.
+
+The caller moves the parameters by u (sign or AdamS), alike on every rank, so replicas stay bitwise
+equal without a parameter all-gather.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator
+from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
+from ..exchange.masks import offsets_to_index
+
+__all__ = ["exchange_dct", "union_slots"]
+
+
+def union_slots(nominated: torch.Tensor, n_chunks: int, world_size: int, per_rank: int,
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared mask from every rank's nominations.
+
+    Args:
+        nominated: (D * n_chunks * K,) int16 in-chunk offsets, rank-major (the all-gather's output).
+
+    Returns:
+        index: (n_chunks, D * K) int64 coefficient indices, chunk-major (slot j of a chunk: rank j // K's
+            nomination j % K);
+        repeated: (n_chunks, D * K) bool, True where a slot repeats an offset an earlier slot of its
+            chunk already holds (sent as 0, so the union's values are counted once).
+    """
+    local = nominated.view(world_size, n_chunks, per_rank).permute(1, 0, 2).reshape(n_chunks, -1)
+    local = local.to(torch.int64).contiguous() & 0xFFFF  # (n_chunks, D K) offsets in 0..C-1
+    ordered, order = local.sort(dim=1, stable=True)  # equal offsets: the earliest slot first
+    later = torch.zeros_like(local, dtype=torch.bool)
+    later[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    repeated = torch.zeros_like(later).scatter_(1, order, later)  # back to slot order
+    base = torch.arange(n_chunks, dtype=torch.int64, device=local.device).unsqueeze(1) * chunk_size
+    return local + base, repeated
+
+
+def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
+    """All-gather 16-bit offsets as their bytes (gloo has no int16): (n,) -> (D n,) int16."""
+    out = torch.empty(comm.world_size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)
+    comm.all_gather(out, offsets.contiguous().view(torch.uint8), "index_ag")  # 2 bytes an offset
+    return out.view(torch.int16)
+
+
+def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, q: torch.Tensor, grad: torch.Tensor,
+                 error: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float) -> torch.Tensor:
+    """Steps 1-4 for one param group: returns u, the decoded mean of what every rank sent, written into
+    ``grad`` ((N_pad,), the local gradient, consumed here), and updates ``error`` ((numel,) fp32).
+
+    Allocates the (numel,) fp32 coefficient vector of the mean (the one buffer of the model's size a
+    step needs) and the packed values and offsets (O(D k)).
+    """
+    C, D = tiles.chunk_size, comm.world_size
+    n_chunks = tiles.n_chunks
+    to_coefficients(tiles, grad, error, q, kernels, decay=ef_decay)  # e = decay * e + Q g
+    mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
+    if mask == "per_rank":
+        offsets = kernels.chunk_topk(error, C, k_per_chunk)  # (n_chunks kc,) int16
+        index = offsets_to_index(offsets, C, k_per_chunk)  # (k,) int64
+        values = error.index_select(0, index)  # (k,) fp32: what this rank sends
+        error.index_fill_(0, index, 0.0)
+        k = index.numel()
+        all_values = torch.empty(D * k, dtype=values.dtype, device=values.device)  # (D k,)
+        comm.all_gather(all_values, values, "grad_ag")
+        all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
+        for r in range(D):  # rank order: the same sum on every rank; no index repeats inside one rank's
+            part = slice(r * k, (r + 1) * k)
+            mean.index_add_(0, offsets_to_index(all_offsets[part], C, k_per_chunk), all_values[part])
+    elif mask == "shared":
+        if k_per_chunk == C:  # sparsity 0: the mask is every coefficient, no nominations travel
+            index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
+            values = error.clone()  # (numel,)
+        else:
+            K = max(1, k_per_chunk // D)
+            nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
+            all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
+            index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
+            index = index.view(-1)  # (n_chunks D K,) chunk-major, so shard-major
+            values = error.index_select(0, index).masked_fill_(repeated.view(-1), 0.0)  # (n_chunks D K,)
+        error.index_fill_(0, index, 0.0)
+        owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
+        comm.reduce_scatter(owned, values, "grad_rs")
+        comm.all_gather(values, owned, "grad_ag")  # every shard's sums, the same bits on every rank
+        mean.index_add_(0, index, values)  # a repeated slot adds 0
+    else:
+        raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
+    mean.div_(D)
+    from_coefficients(tiles, mean, grad, q, kernels)  # (N_pad,) u, in place of the gradient
+    return grad

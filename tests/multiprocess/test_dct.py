@@ -1,0 +1,200 @@
+"""basis "dct" on 2-4 gloo ranks: replicas, error feedback in coefficients, density 0, resume, clipping.
+
+The oracles are computed here, independently of ``dct_step.py``: the coefficients of each rank's
+gradient by scipy-checked ``dct_matrix`` in fp64, what each rank sent read off its communicator, the
+union of nominations by a plain loop, dense AdamS by ``AdamS`` on the all-reduced gradient.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scape_ds.comm import TorchCommunicator
+from scape_ds.exchange.basis import dct_matrix, to_coefficients
+from scape_ds.kernels import torch_kernels
+from scape_ds.optim import ScapeAdamS
+
+from .harness import run_ranks
+from .models import flat_params, loss_fn, make_batch, make_mlp
+from .test_scape_engine import _worker_density_one
+
+pytestmark = pytest.mark.timeout(300)
+
+C = 256  # 16 x 16 tiles
+SCAPE = dict(basis="dct", chunk_size=C, sparsity=0.9, dense_numel_threshold=1024)
+
+
+class RecordingCommunicator(TorchCommunicator):
+    """Keeps what this rank sent of the coefficient values and offsets, and the gathered offsets."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def all_gather(self, out, inp, tag):
+        super().all_gather(out, inp, tag)
+        if tag in ("grad_ag", "index_ag"):
+            self.log.append((tag, inp.detach().clone(), out.detach().clone()))
+
+    def reduce_scatter(self, out, inp, tag):
+        if tag == "grad_rs":
+            self.log.append((tag, inp.detach().clone(), None))
+        super().reduce_scatter(out, inp, tag)
+
+
+def _sent_this_step(comm, mask, numel, world_size, k_per_chunk) -> torch.Tensor:
+    """(numel,) fp64: the coefficients this rank sent in its last step, placed by their index."""
+    sent = torch.zeros(numel, dtype=torch.float64)
+    log = {tag: (inp, out) for tag, inp, out in comm.log}
+    comm.log.clear()
+    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
+    if mask == "per_rank":
+        values = log["grad_ag"][0]
+        offsets = offsets_of(log["index_ag"][0])
+        chunk = torch.arange(offsets.numel()) // k_per_chunk
+        sent.index_add_(0, chunk * C + offsets, values.double())
+        return sent
+    values = log["grad_rs"][0]  # (n_chunks D K,) slot order: chunk, then rank, then nomination
+    noms = offsets_of(log["index_ag"][1])  # (D n_chunks K,) rank-major
+    K = max(1, k_per_chunk // world_size)
+    n_chunks = numel // C
+    noms = noms.view(world_size, n_chunks, K)
+    slot = 0
+    for c in range(n_chunks):
+        seen = set()
+        for r in range(world_size):
+            for j in range(K):
+                off = int(noms[r, c, j])
+                if off in seen:
+                    assert values[slot] == 0, "a repeated nomination must be sent as 0"
+                else:
+                    seen.add(off)
+                    sent[c * C + off] += float(values[slot])
+                slot += 1
+    return sent
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _worker_exchange(rank, world_size, tmp_path, steps, mask, update):
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
+                     scape=dict(SCAPE, mask=mask, dct_update=update))
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    q = dct_matrix(16, torch.float64)
+    produced = sent = None
+    worst, mismatches, moved = 0.0, 0, []
+    for step in range(steps):
+        x, y = make_batch(step, rank)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        before = flat_params(model)
+        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+        opt.step()
+        gs = opt._groups[0]
+        if produced is None:
+            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
+            sent = torch.zeros_like(produced)
+        to_coefficients(gs.tiles, grads, produced, q, torch_kernels, decay=1.0)  # fp64 oracle of Q g
+        sent += _sent_this_step(comm, mask, gs.tiles.numel, world_size, opt.cfg.k_per_chunk)
+        worst = max(worst, float((sent + opt.error_feedback().double() - produced).abs().max()))
+        after = flat_params(model)
+        moved.append(float((after != before).double().mean()))
+        mismatches += sum(not torch.equal(after, c) for c in _gather(after))
+    return worst, mismatches, min(moved), float(produced.abs().max())
+
+
+@pytest.mark.parametrize("mask,update,world_size", [("per_rank", "sign", 2), ("shared", "sign", 2),
+                                                    ("per_rank", "adams", 4), ("shared", "adams", 4)])
+def test_dct_replicas_equal_error_feedback_exact_every_parameter_moves(tmp_path, mask, update, world_size):
+    results = run_ranks(_worker_exchange, world_size, tmp_path, 8, mask, update)
+    for worst, mismatches, moved, scale in results:
+        assert mismatches == 0, results  # every rank's parameters bitwise equal after every step
+        assert worst <= 1e-6 * scale, results  # sent + kept == accumulated, to fp32 rounding of e
+        assert moved > 0.95, results  # a sparse message in coefficients moves (nearly) every parameter
+
+
+@pytest.mark.parametrize("mask,world_size", [("per_rank", 2), ("shared", 2), ("shared", 4)])
+def test_dct_density_one_adams_is_dense_adams(tmp_path, mask, world_size):
+    extra = dict(basis="dct", mask=mask, dct_update="adams")
+    diffs = run_ranks(_worker_density_one, world_size, tmp_path, 12, torch.float64, extra)
+    # fp64: the transform's round trip and, on 4 ranks, another summation order (7e-12 after 12 steps);
+    # a wrong exchange is off by the size of an update (~1e-2)
+    assert max(diffs) <= 1e-10, diffs
+
+
+def _train(model, opt, rank, steps, start):
+    for step in range(start, start + steps):
+        x, y = make_batch(step, rank)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+
+
+def _worker_resume(rank, world_size, tmp_path, changed):
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    model = make_mlp(seed=4)
+    opt = ScapeAdamS(model.parameters(), **hp, scape=dict(SCAPE, dct_update="adams", clip_local=0.5))
+    _train(model, opt, rank, 4, 0)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train(model, opt, rank, 4, 4)
+    straight = flat_params(model)
+    again = make_mlp(seed=99)
+    again.load_state_dict(saved_model)
+    opt2 = ScapeAdamS(again.parameters(), **hp, scape=dict(SCAPE, dct_update="adams", clip_local=0.5, **changed))
+    opt2.load_state_dict(saved_opt)
+    carried = torch.equal(opt2.error_feedback(), saved_opt["scape"]["groups"][0]["error"])
+    _train(again, opt2, rank, 4, 4)
+    resumed = flat_params(again)
+    return torch.equal(straight, resumed), carried, bool(torch.isfinite(resumed).all())
+
+
+def test_dct_resume_is_exact(tmp_path):
+    results = run_ranks(_worker_resume, 2, tmp_path, {})
+    assert all(same and carried for same, carried, _ in results), results
+
+
+def test_dct_resume_with_other_sparsity_and_mask_trains_on(tmp_path):
+    results = run_ranks(_worker_resume, 2, tmp_path, dict(sparsity=0.99, mask="shared"))
+    assert all(carried and finite and not same for same, carried, finite in results), results
+
+
+def _worker_refuses_other_basis(rank, world_size, tmp_path):
+    model = make_mlp(seed=4)
+    opt = ScapeAdamS(model.parameters(), scape=dict(SCAPE))
+    _train(model, opt, rank, 1, 0)
+    other = ScapeAdamS(model.parameters(), scape=dict(SCAPE, basis="coordinate"))
+    with pytest.raises(ValueError, match="saved with scape.basis 'dct', this run has 'coordinate'"):
+        other.load_state_dict(opt.state_dict())
+    return True
+
+
+def test_dct_checkpoint_refused_by_coordinate_basis(tmp_path):
+    assert run_ranks(_worker_refuses_other_basis, 2, tmp_path) == [True, True]
+
+
+def _worker_clip_local(rank, world_size, tmp_path, clip):
+    model = make_mlp(seed=5)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, comm=comm, scape=dict(SCAPE, sparsity=0.0, clip_local=clip))
+    x, y = make_batch(0, rank)
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    norm = float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+    opt.step()
+    sent = comm.log[0][1]  # sparsity 0, per_rank: every coefficient of this rank's sparse gradient
+    return norm, float(torch.linalg.vector_norm(sent.double()))
+
+
+def test_clip_local_scales_each_ranks_gradient_before_error_feedback(tmp_path):
+    for norm, sent in run_ranks(_worker_clip_local, 2, tmp_path, 1e-3):
+        assert norm > 1e-2  # the clip acts
+        assert 0.5e-3 < sent <= 1e-3 * (1 + 1e-5)  # the sparse part of a gradient clipped to 1e-3 in total

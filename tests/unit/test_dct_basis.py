@@ -1,0 +1,119 @@
+"""The DCT basis (``scape.basis = "dct"``): the transform against scipy, tiles, the union mask, config.
+
+scipy.fft is the outside reference (scipy is a test dependency only). Triton runs on CPU tensors under
+TRITON_INTERPRET=1 (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+
+from scape_ds.config import parse_scape_config
+from scape_ds.exchange.basis import TileLayout, dct_matrix, from_coefficients, to_coefficients
+from scape_ds.kernels import torch_kernels as tk
+from scape_ds.optim.dct_step import union_slots
+
+
+@pytest.mark.parametrize("n", [4, 16, 64])
+def test_dct_matrix_is_scipys_orthonormal_dct2(n):
+    q = dct_matrix(n, torch.float64)
+    ref = scipy.fft.dct(np.eye(n), axis=0, norm="ortho")  # column i: the DCT of unit vector i
+    assert np.abs(q.numpy() - ref).max() < 1e-12
+    assert torch.allclose(q @ q.t(), torch.eye(n, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("t", [16, 64])
+def test_torch_dct_tiles_matches_scipy_dctn_and_round_trips(t):
+    x = torch.randn(5, t, t, generator=torch.Generator().manual_seed(t))
+    q = dct_matrix(t)
+    y = tk.dct_tiles(x, q)
+    ref = scipy.fft.dctn(x.double().numpy(), axes=(1, 2), norm="ortho")
+    assert np.abs(y.double().numpy() - ref).max() < 1e-5  # fp32 matmuls against fp64 FFT
+    assert torch.allclose(tk.dct_tiles(y, q, inverse=True), x, atol=1e-5, rtol=0)
+    # orthonormal: the energy of every tile is kept
+    assert torch.allclose(y.square().sum((1, 2)), x.square().sum((1, 2)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [16, 32, 64])
+def test_triton_dct_tiles_matches_torch(t):
+    triton_kernels = pytest.importorskip("scape_ds.kernels.triton_kernels")
+    x = torch.randn(3, t, t, generator=torch.Generator().manual_seed(7))
+    q = dct_matrix(t)
+    for inverse in (False, True):
+        got = triton_kernels.dct_tiles(x, q, inverse=inverse)
+        want = tk.dct_tiles(x, q, inverse=inverse)
+        assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+
+
+def test_tile_layout_pads_edges_and_never_crosses_a_shard():
+    weights = [torch.zeros(100, 70), torch.zeros(32, 32), torch.zeros(8, 3, 5, 5)]  # conv: (8, 75)
+    offsets = [0, 7000, 7000 + 1024]
+    lay = TileLayout.build(weights, offsets, world_size=4, tile=16)
+    assert lay.shapes == ((100, 70), (32, 32), (8, 75))
+    assert lay.tile_grid == ((7, 5), (2, 2), (1, 5))
+    assert lay.coef_offsets == (0, 35 * 256, 39 * 256)
+    assert lay.numel % (4 * 256) == 0 and lay.numel >= 44 * 256  # 44 tiles padded to 44 (a multiple of 4)
+    assert lay.shard_numel % lay.chunk_size == 0  # whole tiles per shard
+
+
+def test_coefficients_round_trip_through_padded_tiles():
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(100, 70, generator=gen), torch.randn(32, 48, generator=gen)]
+    offsets = [0, 7000]
+    flat = torch.cat([w.reshape(-1) for w in weights] + [torch.zeros(536)])  # (N_pad,)
+    lay = TileLayout.build(weights, offsets, world_size=2, tile=16)
+    q = dct_matrix(16, torch.float64)
+    coef = torch.zeros(lay.numel, dtype=torch.float64)
+    to_coefficients(lay, flat.double(), coef, q, tk)
+    # each weight's tiles are scipy's dctn of the zero-padded weight, tile by tile
+    padded = np.zeros((112, 80))
+    padded[:100, :70] = weights[0].double().numpy()
+    tile = padded[16:32, 32:48]
+    grid_c = 5
+    want = scipy.fft.dctn(tile, norm="ortho")
+    got = coef[(1 * grid_c + 2) * 256 : (1 * grid_c + 2 + 1) * 256].view(16, 16).numpy()
+    assert np.abs(got - want).max() < 1e-12
+    out = torch.full_like(flat, float("nan"), dtype=torch.float64)
+    from_coefficients(lay, coef, out, q, tk)
+    assert torch.allclose(out[:7000 + 1536], flat[:7000 + 1536].double(), atol=1e-12, rtol=0)
+    assert torch.isnan(out[7000 + 1536 :]).all()  # the flat padding is not written
+    # accumulate: decay * e + Q g
+    acc = coef.clone()
+    to_coefficients(lay, flat.double(), acc, q, tk, decay=0.5)
+    assert torch.allclose(acc, 1.5 * coef, atol=1e-12, rtol=0)
+
+
+def test_union_slots_marks_repeats_once_per_chunk():
+    # D = 2 ranks, 2 chunks of C = 8, K = 2 nominations each; rank-major (rank, chunk, K)
+    nominated = torch.tensor([[[1, 5], [0, 7]],   # rank 0
+                              [[5, 2], [7, 7]]],  # rank 1 (a repeat inside its own list too)
+                             dtype=torch.int16).reshape(-1)
+    index, repeated = union_slots(nominated, n_chunks=2, world_size=2, per_rank=2, chunk_size=8)
+    assert index.tolist() == [[1, 5, 5, 2], [8, 15, 15, 15]]
+    assert repeated.tolist() == [[False, False, True, False], [False, False, True, True]]
+
+
+def test_config_dct_fields_and_refusals():
+    cfg = parse_scape_config(dict(basis="dct", chunk_size=1024, mask="shared", clip_local=1.0, ef_decay=0.999))
+    assert (cfg.tile_size, cfg.mask, cfg.dct_update) == (32, "shared", "sign")
+    with pytest.raises(ValueError, match="power of 4"):
+        parse_scape_config(dict(basis="dct", chunk_size=2048))
+    with pytest.raises(ValueError, match="hierarchy 'node'"):
+        parse_scape_config(dict(basis="dct", hierarchy="node"))
+    with pytest.raises(ValueError, match="update_rule 'catchup'"):
+        parse_scape_config(dict(basis="dct", update_rule="catchup"))
+    with pytest.raises(ValueError, match="scape.ef_decay: must be in"):
+        parse_scape_config(dict(ef_decay=1.5))
+    with pytest.raises(ValueError, match="scape.clip_local: must be >= 0"):
+        parse_scape_config(dict(clip_local=-1.0))
+    with pytest.raises(ValueError, match="scape.mask"):
+        parse_scape_config(dict(mask="global"))
+
+
+def test_union_slots_with_one_nomination_per_rank_is_contiguous():
+    nominated = torch.tensor([3, 4, 3, 5], dtype=torch.int16)  # D = 2, 2 chunks, K = 1
+    index, repeated = union_slots(nominated, n_chunks=2, world_size=2, per_rank=1, chunk_size=8)
+    assert index.view(-1).tolist() == [3, 3, 12, 13]
+    assert repeated.view(-1).tolist() == [False, True, False, False]
