@@ -3,6 +3,7 @@
     sudo python bench/step_time.py                           # 2 and 4 nodes x 1 and 10 Gbit/s
     sudo python bench/step_time.py --nodes 4 --rates 1gbit --steps 10
     sudo python bench/step_time.py --zero3 --micro-batch 1 --seq-len 32   # + ZeRO-3 rows, less compute
+    sudo python bench/step_time.py --dct --nodes 4 --rates 1gbit --out runs/step_time_dct.json  # basis "dct"
 
 For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
 node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four
@@ -93,7 +94,12 @@ ROWS.update({
 ROWS.update({f"SCAPE {s} hier": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                   "scape": {"sparsity": s, "mask_refresh_interval": 100, "hierarchy": "node"}}
              for s in (0.9, 0.99)})
+# basis "dct" (ds_configs/scape_dct.json's exchange): every step is alike, no refresh
+ROWS.update({f"SCAPE {s} dct": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                                 "scape": {"sparsity": s, "basis": "dct", "mask": "per_rank", "clip_local": 1.0,
+                                           "ef_decay": 0.999}} for s in (0.9, 0.99)})
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
+DCT_ROWS = ["dense AdamW", "SCAPE 0.99", "SCAPE 0.99 dct", "SCAPE 0.9", "SCAPE 0.9 dct"]
 HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
               "SCAPE ZeRO-3 0.99 replica"]
@@ -259,6 +265,8 @@ def cluster_rows(args) -> list[str]:
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
     if args.hier:
         return list(HIER_ROWS)
+    if args.dct:
+        return list(DCT_ROWS)
     rows = list(CLUSTER_ROWS)
     if args.mpi:
         rows += ["SCAPE 0.9 (mpi)", "SCAPE 0.99 (mpi)"]
@@ -488,6 +496,8 @@ def main() -> int:
     ap.add_argument("--hier", action="store_true",
                     help="cluster run: hierarchical vs flat SCAPE, sparse and refresh steps timed apart")
     ap.add_argument("--ranks-per-node", type=int, default=1, help="G ranks sharing each node's namespace")
+    ap.add_argument("--dct", action="store_true",
+                    help="cluster run: SCAPE 0.9 and 0.99 with basis 'dct' beside the coordinate basis, interleaved")
     ap.add_argument("--refresh-every", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--interleave", action="store_true",
                     help="build every row's engine first, then time step s of every row before step s+1 "
@@ -507,6 +517,8 @@ def main() -> int:
     if args.hier:
         args.rows = ",".join(HIER_ROWS)
         args.refresh_every = args.refresh_every or 4
+        args.interleave = True
+    if args.dct:
         args.interleave = True
     if args.worker:
         worker(args)

@@ -322,14 +322,20 @@ class ScapeAdamS(Optimizer):
                     grads.append(p.grad)
                     if not getattr(p, "scape_norm_skip", False):
                         total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64).square())
-        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            summed = torch.tensor([total], dtype=torch.float64, device=collective_device(self.norm_group))
-            dist.all_reduce(summed, group=self.norm_group)  # model-parallel traffic, one scalar
-            total = float(summed)
+        total = self._sum_over_norm_group(total)
         scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
         if scale < 1.0:
             for g in grads:
                 g.mul_(scale)
+
+    def _sum_over_norm_group(self, value: float) -> float:
+        """``value`` summed over the other model-parallel ranks of this replica (``norm_group``: one
+        fp64 scalar all-reduce, model-parallel, not data-parallel, traffic), or itself without them."""
+        if self.norm_group is None or dist.get_world_size(self.norm_group) <= 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=collective_device(self.norm_group))
+        dist.all_reduce(total, group=self.norm_group)
+        return float(total)
 
     def _replicated_clip_coefficient(self, decoded) -> float:
         """basis "dct": the ``gradient_clipping`` factor from the decoded means and dense gradients, which
@@ -345,11 +351,7 @@ class ScapeAdamS(Optimizer):
                 for p, g in zip(gs.dense_params, torch.split(dense_g, [p.numel() for p in gs.dense_params])):
                     if not getattr(p, "scape_norm_skip", False):
                         total += float(g.double().square().sum())
-        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            summed = torch.tensor([total], dtype=torch.float64, device=collective_device(self.norm_group))
-            dist.all_reduce(summed, group=self.norm_group)
-            total = float(summed)
-        norm = math.sqrt(total)
+        norm = math.sqrt(self._sum_over_norm_group(total))
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
@@ -478,12 +480,7 @@ class ScapeAdamS(Optimizer):
                         replicated += float(g.double().square().sum())
         self.comm.all_reduce(sharded, "norm_ar")
         self._node.all_reduce(sharded, "norm_ar")  # hierarchy "node": the other slices
-        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            total = torch.tensor([float(sharded) + replicated], dtype=torch.float64,
-                                 device=collective_device(self.norm_group))
-            dist.all_reduce(total, group=self.norm_group)  # model-parallel, not data-parallel, traffic
-            sharded, replicated = total, 0.0
-        norm = math.sqrt(float(sharded) + replicated)
+        norm = math.sqrt(self._sum_over_norm_group(float(sharded) + replicated))
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
 

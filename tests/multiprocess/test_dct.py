@@ -198,3 +198,32 @@ def test_clip_local_scales_each_ranks_gradient_before_error_feedback(tmp_path):
     for norm, sent in run_ranks(_worker_clip_local, 2, tmp_path, 1e-3):
         assert norm > 1e-2  # the clip acts
         assert 0.5e-3 < sent <= 1e-3 * (1 + 1e-5)  # the sparse part of a gradient clipped to 1e-3 in total
+
+
+def _worker_bytes(rank, world_size, tmp_path, mask):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(3)])
+    opt = ScapeAdamS(model.parameters(), lr=1e-3, scape=dict(basis="dct", mask=mask, sparsity=0.99))
+    stats = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        stats.append(dict(opt.comm_stats))
+    return stats
+
+
+@pytest.mark.parametrize("mask", ["per_rank", "shared"])
+def test_dct_byte_meter_counts_exactly(tmp_path, mask):
+    # written out by hand: 2 ranks, three 256 x 256 weights = 48 tiles of 64 x 64, kc = round(0.01 * 4096) = 41;
+    # dense yardstick: reduce-scatter of 196608 fp32 (half of it leaves each rank) + all-gather of 98304
+    dense = 196608 * 4 // 2 + 98304 * 4
+    if mask == "per_rank":  # all-gather of 48 * 41 values (4 bytes) and 48 * 41 offsets (2 bytes)
+        want = {"grad_ag": 48 * 41 * 4, "index_ag": 48 * 41 * 2}
+    else:  # 20 nominations per tile and rank; 40 slots per tile reduce-scattered, 20 per rank all-gathered
+        want = {"index_ag": 48 * 20 * 2, "grad_rs": 48 * 40 * 4 // 2, "grad_ag": 48 * 20 * 4}
+    for s in run_ranks(_worker_bytes, 2, tmp_path, mask)[0]:
+        assert s["by_tag"] == want
+        assert s["bytes_dense"] == dense == 786432
+        # 1.5015% and 1.25%: 1.5 rho (per_rank) and 1.25 rho (shared), rho = 41 / 4096 here
+        assert s["bytes_sent"] / s["bytes_dense"] <= (0.0151 if mask == "per_rank" else 0.0126)

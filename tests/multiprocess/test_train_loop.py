@@ -28,7 +28,7 @@ def _worker(rank, world_size, tmp_path, steps, config, extra=()):
     return calls, summary
 
 
-@pytest.mark.parametrize("config", ["scape.json", "scape_hier.json"])
+@pytest.mark.parametrize("config", ["scape.json", "scape_hier.json", "scape_dct.json"])
 def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_path, config):
     steps = 3
     (calls0, s0), (calls1, s1) = run_ranks(_worker, 2, tmp_path, steps, config, timeout_s=120)
@@ -41,17 +41,19 @@ def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_pa
     assert s0["bytes_dense"] == sum(r["bytes_dense"] for r in rows)
     for r in rows:  # flat: every byte counts as inter-node; one node of 2 (scape_hier.json): every byte intra
         assert r["bytes_inter"] + r["bytes_intra"] == r["bytes_sent"]
-        assert (r["bytes_intra"] if config == "scape.json" else r["bytes_inter"]) == 0
+        assert (r["bytes_inter"] if config == "scape_hier.json" else r["bytes_intra"]) == 0
 
 
-def test_hierarchical_run_resumes_exactly_from_its_checkpoint(tmp_path):
-    """scape_hier.json through save_checkpoint/load_checkpoint: 4 steps straight, or 2 + a resume to 4."""
+@pytest.mark.parametrize("config", ["scape_hier.json", "scape_dct.json"])
+def test_run_resumes_exactly_from_its_checkpoint(tmp_path, config):
+    """through save_checkpoint/load_checkpoint: 4 steps straight, or 2 + a resume to 4."""
     ckpt = os.path.join(tmp_path, "ckpt")
-    straight = run_ranks(_worker, 2, tmp_path / "a", 4, "scape_hier.json", timeout_s=120)
-    run_ranks(_worker, 2, tmp_path / "b", 2, "scape_hier.json", ("--save", ckpt), timeout_s=120)
-    assert sorted(n for n in os.listdir(os.path.join(ckpt, "global_step2")) if n.startswith("scape_")) == [
-        "scape_dp_rank_00000_global_rank_00000.pt", "scape_dp_rank_00000_global_rank_00001.pt"]  # one per node rank
-    resumed = run_ranks(_worker, 2, tmp_path / "c", 4, "scape_hier.json", ("--load", ckpt), timeout_s=120)
+    straight = run_ranks(_worker, 2, tmp_path / "a", 4, config, timeout_s=120)
+    run_ranks(_worker, 2, tmp_path / "b", 2, config, ("--save", ckpt), timeout_s=120)
+    if config == "scape_hier.json":
+        assert sorted(n for n in os.listdir(os.path.join(ckpt, "global_step2")) if n.startswith("scape_")) == [
+            "scape_dp_rank_00000_global_rank_00000.pt", "scape_dp_rank_00000_global_rank_00001.pt"]  # per node rank
+    resumed = run_ranks(_worker, 2, tmp_path / "c", 4, config, ("--load", ckpt), timeout_s=120)
     assert [c for c, _ in resumed] == [[(3, 3), (4, 4)]] * 2
     assert resumed[0][1]["final_loss"] == straight[0][1]["final_loss"]
     assert resumed[0][1]["val_loss"] == straight[0][1]["val_loss"]
