@@ -179,6 +179,7 @@ SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", 
 CURVE_COLUMNS = ["run", "step", "val_loss"]
 SUMMARY_CSV, CURVES_CSV, PLOT_PNG = "quality_summary.csv", "quality_curves.csv", "quality_val_loss.png"
 BEST_PNG = "quality_best_lr.png"  # each configuration at its best lr, per size: the issue's targets
+BYTES_PNG = "quality_loss_vs_bytes.png"  # the plot of record: loss against bytes per step, each at its best lr
 CKPT_STATE = "quality_state.pt"  # the diagnostics' state, saved inside each checkpoint tag directory
 
 
@@ -709,6 +710,9 @@ def read_tables(bench_dir: str) -> tuple[dict[str, dict], dict[str, list]]:
     if os.path.exists(path):
         with open(path, encoding="utf-8", newline="") as f:
             rows = {r["run"]: r for r in csv.DictReader(f)}
+        for r in rows.values():  # rows written before the basis and mask columns: the coordinate basis
+            if r["method"] in ("scape", "topk", "randk") and not r.get("basis"):
+                r["basis"], r["mask"] = "coordinate", "shared"
     path = os.path.join(bench_dir, CURVES_CSV)
     if os.path.exists(path):
         with open(path, encoding="utf-8", newline="") as f:
@@ -883,6 +887,52 @@ def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None
     plt.close(fig)
 
 
+def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
+    """The plot of record: validation loss against bytes per step / dense (log x), one point per
+    configuration at its best lr, one panel per settings with a dense AdamW row (its loss: the
+    dashed reference line). Markers by basis: coordinate SCAPE, DCT SCAPE, DeMo, dense, others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(key, g) for key, g in sorted(best_by_lr(rows).items()) if "dense AdamW" in g and len(g) > 1]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
+    style = {"dct": ("s", "tab:red"), "coordinate": ("o", "tab:blue"), "demo": ("D", "tab:green"),
+             "": ("^", "black")}
+    for ax, (key, g) in zip(axes[0], panels):
+        ref = _num(g["dense AdamW"][0]["val_loss"])
+        ax.axhline(ref, color="k", linestyle="--", linewidth=1, label=f"dense AdamW {ref:.4f}")
+        points = [(name, r, _num(r["bytes_frac"]), _num(r["val_loss"])) for name, (r, _) in sorted(g.items())
+                  if name != "dense AdamW" and _num(r["bytes_frac"]) > 0]
+        for name, r, frac, loss in points:
+            kind = "demo" if r.get("method") == "demo" else (r.get("basis") or "")
+            marker, color = style.get(kind, style[""])
+            ax.scatter([frac], [loss], marker=marker, color=color, s=25)
+            # names on the frontier (nothing with fewer or equal bytes is lower) and on every transform row
+            frontier = not any(f2 <= frac and l2 < loss for _, _, f2, l2 in points)
+            if frontier or kind in ("dct", "demo"):
+                ax.annotate(f"{name} ({loss / ref:.3f}x)", (frac, loss), fontsize=6, xytext=(4, 2),
+                            textcoords="offset points")
+        for kind, (marker, color) in style.items():
+            ax.plot([], [], marker=marker, color=color, linestyle="none", label={"dct": "SCAPE, basis dct",
+                       "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo recipe",
+                       "": "dense, other"}[kind])
+        n_layer, n_embd, steps, seed, ranks, _ = key
+        ax.set_xscale("log")
+        ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks",
+                     fontsize=9)
+        ax.set_xlabel("bytes per step / dense (log)")
+        ax.set_ylabel("final validation loss (nats/byte)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    _save_png(fig, path)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -943,8 +993,9 @@ def main(argv=None) -> int:
     if not args.no_summary:
         plot(rows, curves, os.path.join(args.bench_dir, PLOT_PNG))
         plot_best(rows, curves, os.path.join(args.bench_dir, BEST_PNG))
+        plot_loss_vs_bytes(rows, os.path.join(args.bench_dir, BYTES_PNG))
         print(f"summary: {os.path.join(args.bench_dir, SUMMARY_CSV)}; plots: {os.path.join(args.bench_dir, PLOT_PNG)}, "
-              f"{os.path.join(args.bench_dir, BEST_PNG)}")
+              f"{os.path.join(args.bench_dir, BEST_PNG)}, {os.path.join(args.bench_dir, BYTES_PNG)}")
     return 0
 
 
