@@ -114,6 +114,12 @@ def probe_peers(rank: int, world_size: int, wait_s: float) -> list[int] | None:
     deadline = time.monotonic() + wait_s
 
     def run():
+        try:
+            ask()
+        except Exception:  # noqa: BLE001 (DistNetworkError, DistStoreError...): the store did not answer
+            pass  # no "answered": reported as None, without a thread traceback ahead of the one line
+
+    def ask():
         store = c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=wait_s))
         store.add(_KEY.format(rank), 1)  # a round trip: raises (or blocks) if the store does not answer
