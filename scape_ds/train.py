@@ -83,15 +83,22 @@ def check_inputs(args) -> dict:
     Raises:
         ValueError, TypeError, ImportError: a bad option, config field, corpus or checkpoint, named.
     """
-    from scape_ds.checkpoint import read_latest_tag
+    import math
+
+    from scape_ds.checkpoint import check_load, check_save_dir
     from scape_ds.config import parse_scape_config, zero_stage
     from scape_ds.data import load_corpus
-    from scape_ds.engine import read_ds_config
+    from scape_ds.engine import check_block_names, read_ds_config
 
     for name in ("train_iters", "log_interval", "eval_interval", "eval_iters", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.dist_timeout > 0 and math.isfinite(args.dist_timeout)):
+        raise ValueError(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout:g}")
+    if args.save_interval < 0:
+        raise ValueError(f"--save-interval must be >= 0 (0: only at the end), got {args.save_interval}")
     cfg = read_ds_config(args.deepspeed_config)
+    check_block_names(cfg)
     if "scape" in cfg:
         parse_scape_config(cfg["scape"])
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -110,7 +117,9 @@ def check_inputs(args) -> dict:
         raise ValueError(f"{args.deepspeed_config}: set train_micro_batch_size_per_gpu")
     load_corpus(args.corpus)
     if args.load:
-        read_latest_tag(args.load)
+        check_load(args.load)  # a named, complete tag (sizes against its manifest; hashes when loading)
+    if args.save:
+        check_save_dir(args.save)  # created and probed now, not at the first save
     return cfg
 
 
@@ -282,6 +291,18 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
             f"{val_data.numel()/1e6:.2f}M val bytes, unigram entropy {unigram_entropy(train_data):.3f} nats")
 
 
+def _warn_if_low_disk(engine, save_dir: str, is_main: bool) -> None:
+    """One warning line (rank 0) when ``save_dir``'s file system has less free space than one
+    checkpoint is estimated to take (:func:`scape_ds.checkpoint.estimate_checkpoint_bytes`)."""
+    from scape_ds.checkpoint import estimate_checkpoint_bytes, free_bytes
+
+    need, free = estimate_checkpoint_bytes(engine), free_bytes(save_dir)
+    if is_main and free < need:
+        print(f"pretrain.py: warning: --save {save_dir} has {free / 1e6:.1f} MB free and one checkpoint takes about "
+              f"{need / 1e6:.1f} MB: the first save may fail (the previous checkpoint stays)", file=sys.stderr,
+              flush=True)
+
+
 def _log_line(record: dict) -> str:
     """The line printed every --log-interval steps and at each validation."""
     sent, dense = record["bytes_sent"], record["bytes_dense"]
@@ -341,7 +362,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+    from scape_ds.checkpoint import load_checkpoint, resolve_load, save_checkpoint
     from scape_ds.data import build_datasets
     from scape_ds.engine import scape_optimizer
     from scape_ds.faults import PeerWatch, bound_group_timeouts
@@ -358,12 +379,14 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     engine = setup.engine
     opt = scape_optimizer(engine)
     dense_bytes = dense_bytes_for(setup.model, setup.dp_size)
+    if args.save:
+        _warn_if_low_disk(engine, args.save, is_main)
     start = 0
     if args.load:
         tag, client = load_checkpoint(engine, args.load)
         start = int(client.get("step", engine.global_steps))
         if is_main:
-            print(f"resumed from {args.load}/{tag} at step {start}", flush=True)
+            print(f"resumed from {os.path.join(resolve_load(args.load)[0], tag)} at step {start}", flush=True)
     tokens_per_step = (engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
                        * setup.dp_size * args.seq_len)
     if is_main:
@@ -450,6 +473,10 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         if not is_peer_lost(e):
             raise
+        if args.save and watch.phase.startswith("saving "):  # a tag half written: not left behind
+            from scape_ds.checkpoint import discard_partial_tag
+
+            discard_partial_tag(args.save, watch.phase.split()[1])
         print(f"pretrain.py: error: {report_lost_peer(e, watch, args.dist_timeout, args.save)}", file=sys.stderr,
               flush=True)
         sys.stdout.flush()
