@@ -341,7 +341,7 @@ def format_summary(summary: dict, losses: list[float]) -> str:
             f"{dense / 1e6:.1f} MB: {frac:.2%} ({saved})")
 
 
-def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None) -> dict:
+def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None, stop=None) -> dict:
     """Train ``args.train_iters`` optimizer steps (from the checkpoint's step with ``--load``).
 
     Needs torch.distributed started (:func:`init_distributed`).
@@ -353,6 +353,12 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
             counts from 1), after that step's record and validation, outside the timed region.
         watch: a :class:`scape_ds.faults.PeerWatch` whose ``phase`` the loop keeps current (step,
             validation, save), for the report of a lost peer.
+        stop: a :class:`scape_ds.stop.StopRequest` asked after every step (and before the first)
+            whether any rank was asked to stop; if so the ranks save that step (with ``--save``)
+            and raise :class:`scape_ds.stop.Stopped`. None: no check (no extra collective).
+
+    Raises:
+        scape_ds.stop.Stopped: the ranks stopped on request (``stop``), after saving with ``--save``.
 
     Returns:
         ``steps`` (of this run), ``final_loss`` (the last step's), ``val_loss`` (the last validation),
@@ -367,6 +373,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     from scape_ds.engine import scape_optimizer
     from scape_ds.faults import PeerWatch, bound_group_timeouts
     from scape_ds.metrics import MetricsWriter
+    from scape_ds.stop import Stopped
 
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
@@ -399,6 +406,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     losses, val_loss = [], float("nan")
     t_run = time.perf_counter()
     with metrics:
+        if stop is not None and (reason := stop.agreed()):  # asked during start-up: nothing new to save
+            bar.close()
+            raise Stopped(start, reason, None)
         for step in range(start, args.train_iters):
             watch.phase = f"step {step + 1}"
             lr = engine.get_lr()[0]
@@ -428,10 +438,17 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
                 bar.write(_log_line(record))
             if on_step is not None:
                 on_step(step + 1, engine)
+            saved = None
             if (args.save and args.save_interval and (step + 1) % args.save_interval == 0
                     and step + 1 != args.train_iters):
                 watch.phase = f"saving global_step{step + 1}"
-                save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+                saved = save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+            if stop is not None and step + 1 != args.train_iters and (reason := stop.agreed()):
+                if args.save and saved is None:
+                    watch.phase = f"saving global_step{step + 1}"
+                    saved = save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+                bar.close()
+                raise Stopped(step + 1, reason, saved)
         bar.close()
         if opt is not None:
             opt.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
@@ -448,8 +465,10 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
 
 def main(argv=None) -> int:
     """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input, 1 (one line)
-    when a checkpoint could not be written; a rank whose peer stopped answering prints one line
-    (:mod:`scape_ds.faults`) and ends the process with exit code 3."""
+    when a checkpoint could not be written, 143 when SIGTERM, SIGINT or the launcher's end stopped
+    the run (after saving the step with ``--save``; one line naming the tag, :mod:`scape_ds.stop`);
+    a rank whose peer stopped answering prints one line (:mod:`scape_ds.faults`) and ends the
+    process with exit code 3."""
     args = build_parser().parse_args(argv)
     try:
         cfg = check_inputs(args)
@@ -457,13 +476,23 @@ def main(argv=None) -> int:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from scape_ds.stop import STOP_EXIT_CODE, Stopped, StopRequest
+
+    stop = StopRequest()
+    stop.install()  # SIGTERM/SIGINT and the launcher's end: stop after the step, with a checkpoint
     init_distributed(args.dist_timeout)
     from scape_ds.checkpoint import CheckpointSaveError
     from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
 
     watch = PeerWatch()
     try:
-        train(args, cfg, watch=watch)
+        train(args, cfg, watch=watch, stop=stop)
+    except Stopped as e:  # every rank, after the same step
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"pretrain.py: {_stopped_line(e, args.save)}", file=sys.stderr, flush=True)
+        return STOP_EXIT_CODE
     except (ValueError, ImportError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -489,6 +518,20 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _stopped_line(e, save_dir: str | None) -> str:
+    """The line rank 0 prints when the ranks stopped on request (:class:`scape_ds.stop.Stopped`)."""
+    from scape_ds.faults import last_checkpoint
+
+    where = f"after step {e.step}" if e.step else "before the first step"
+    if e.tag_dir:
+        saved = f"saved {os.path.basename(e.tag_dir)} in {save_dir}: resume with --load {save_dir}"
+    elif save_dir:
+        saved = f"nothing new to save; {last_checkpoint(save_dir)}"
+    else:
+        saved = "nothing saved (no --save)"
+    return f"stopped {where} ({e.reason}): {saved}"
 
 
 def run(argv=None) -> None:
