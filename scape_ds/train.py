@@ -15,7 +15,8 @@ The training loop behind ``launch/pretrain.py`` (its docstring has the commands)
 
 A peer lost mid-run (a dropped link, a dead node) ends every rank within ``--dist-timeout`` (plus a
 few seconds) with one line naming the silent rank and the last complete checkpoint, and exit code 3
-(:mod:`scape_ds.faults`).
+(:mod:`scape_ds.faults`). SIGTERM, SIGINT or the launcher's end stops every rank after the same
+step, saved with ``--save``, with one line naming the tag and exit code 143 (:mod:`scape_ds.stop`).
 
 Rank 0 prints and writes metrics; every rank trains. Heavy imports (torch, DeepSpeed) happen inside
 the functions, so a bad input is reported before they load.
