@@ -27,6 +27,14 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
 
 
+def _kill_group(proc) -> None:
+    """SIGKILL whatever is left of the job's session (orphans included), after a failed check."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _cmd(*args):
     return [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
             "--deepspeed_config", "ds_configs/scape.json", "--no-progress", "--log-interval", "1",
@@ -66,8 +74,7 @@ def test_stop_ends_every_process_after_a_checkpoint_that_resumes(tmp_path, how):
         assert alive == [], f"alive 30 s after the signal: {alive}"
         gone_s = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc)
     reader.join(10)
     out = "".join(lines)
     stopped = [m for m in map(STOPPED.match, (line.rstrip("\n") for line in lines)) if m]
@@ -85,3 +92,39 @@ def test_stop_ends_every_process_after_a_checkpoint_that_resumes(tmp_path, how):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {ckpt / tag} at step {step}" in resumed.stdout
     assert f"step {int(step) + 2:5d} | loss" in resumed.stdout
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_under_the_launcher_gets_one_line(tmp_path, victim):
+    """Issue 35 items 2 and 3: SIGKILL to one rank; launch.py then SIGTERMs the other, which still
+    prints the lost-peer line (no thread traceback when rank 0, the store's host, went first)."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_cmd("--train-iters", "100000", "--save", str(ckpt), "--save-interval", "2"), cwd=REPO,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("step     3 |") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-50:])
+            time.sleep(0.2)
+        job = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if any(a.startswith("--local_rank=") for a in p.cmdline())]
+        target = next(p for p in ranks if f"--local_rank={victim}" in p.cmdline())
+        target.kill()
+        proc.wait(timeout=60)
+        alive = [p for p in job if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        assert alive == [], alive
+    finally:
+        _kill_group(proc)
+    reader.join(10)
+    out = "".join(lines)
+    errors = [line for line in lines if line.startswith("pretrain.py: error:")]
+    assert len(errors) == 1, out[-4000:]
+    assert f"rank {1 - victim}: lost contact with rank {victim} (" in errors[0], errors[0]
+    assert f"resume with --load {ckpt}" in errors[0], errors[0]
+    assert "Traceback" not in out, out[-4000:]
