@@ -127,4 +127,4 @@ def test_a_rank_killed_under_the_launcher_gets_one_line(tmp_path, victim):
     assert len(errors) == 1, out[-4000:]
     assert f"rank {1 - victim}: lost contact with rank {victim} (" in errors[0], errors[0]
     assert f"resume with --load {ckpt}" in errors[0], errors[0]
-    assert "Traceback" not in out, out[-4000:]
+    assert "Traceback" not in out and "frame #" not in out, out[-4000:]  # no thread or C++ stack either
