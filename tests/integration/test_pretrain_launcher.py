@@ -242,3 +242,28 @@ def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
     # each rank prints the same line (the launcher may stop the second before it does)
     assert all(str(victim) in line and "truncated or altered" in line for line in errors), errors
     assert "Traceback" not in out and "resumed from" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_full_disk_is_warned_before_step_1_and_the_failed_save_leaves_nothing(tmp_path):
+    """Issue 35 items 4 and 7 on the launcher: a 4 MiB --save (one tag is ~12 MB) is warned about
+    with the estimate before the first step; the save fails with one line, its partial tag removed."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "2",
+               "--eval-iters", "1", "--no-progress", "--dist-timeout", "20", "--save", str(small / "ck")]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
+        left = os.listdir(small / "ck")
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.py: warning: --save")]
+    assert len(warned) == 1 and "one checkpoint takes about 12." in warned[0], out[-3000:]
+    failed = [line for line in proc.stderr.splitlines() if "saving global_step2 in" in line and "failed" in line]
+    assert len(failed) == 1 and "the partial global_step2 was removed" in failed[0], out[-3000:]
+    assert left == [] and "Traceback" not in out and "frame #" not in out, (left, out[-3000:])
