@@ -46,6 +46,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 
@@ -59,12 +60,14 @@ from .elastic import (
     reshard_scape_states,
     saved_dp_size,
     saved_zero3_dp_size,
+    scape_rank_files,
 )
 from .engine import is_scape_stage3, scape_optimizer
 from .faults import is_peer_lost
 
-__all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "safe_load", "safe_loading",
-           "write_manifest", "check_manifest", "convert_checkpoint"]
+__all__ = ["CheckpointSaveError", "save_checkpoint", "load_checkpoint", "read_latest_tag", "resolve_load", "check_load",
+           "check_save_dir", "newest_intact_tag", "intact_tag_hint", "discard_partial_tag", "estimate_checkpoint_bytes",
+           "free_bytes", "safe_load", "safe_loading", "write_manifest", "check_manifest", "convert_checkpoint"]
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -145,8 +148,9 @@ def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None 
             previous = f"still names {read_latest_tag(save_dir)}"
         except ValueError:
             previous = "names no checkpoint yet"
+        removed = f"; the partial {tag} was removed" if discard_partial_tag(save_dir, tag) else ""
         raise CheckpointSaveError(f"rank {rank}: saving {tag} in {save_dir} failed ({_one_line(e)}); "
-                                  f"{os.path.join(save_dir, LATEST)} {previous}") from None
+                                  f"{os.path.join(save_dir, LATEST)} {previous}{removed}") from None
     if dist.is_initialized():
         dist.barrier()
     return tag_dir
@@ -170,8 +174,128 @@ def read_latest_tag(load_dir: str) -> str:
     return tag
 
 
+def resolve_load(path: str) -> tuple[str, str]:
+    """``(load_dir, tag)`` for ``--load PATH``: PATH a checkpoint directory (the tag its ``latest``
+    names) or a tag directory ``DIR/TAG`` (an older tag, say the newest intact one).
+
+    Raises:
+        ValueError: PATH is neither.
+    """
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LATEST)) and (
+            os.path.isfile(os.path.join(path, MANIFEST)) or any(n.endswith(".pt") for n in os.listdir(path))):
+        load_dir, tag = os.path.split(os.path.normpath(path))
+        return load_dir or ".", tag
+    return path, read_latest_tag(path)
+
+
+def _tag_order(tag: str) -> tuple[int, str]:
+    digits = re.search(r"\d+", tag)
+    return (int(digits.group()) if digits else -1, tag)
+
+
+def newest_intact_tag(load_dir: str, skip: tuple[str, ...] = ()) -> str | None:
+    """The tag in ``load_dir`` with the highest step whose files all match its manifest (names,
+    sizes and sha256, every file hashed by this process), other than those in ``skip``; None if none."""
+    try:
+        names = os.listdir(load_dir)
+    except OSError:
+        return None
+    tags = [n for n in names if n not in skip and os.path.isfile(os.path.join(load_dir, n, MANIFEST))]
+    for tag in sorted(tags, key=_tag_order, reverse=True):
+        tag_dir = os.path.join(load_dir, tag)
+        if not check_manifest(tag_dir) and not _check_contents(tag_dir, share=False):
+            return tag
+    return None
+
+
+def intact_tag_hint(load_dir: str, refused: str) -> str:
+    """What to resume from when tag ``refused`` of ``load_dir`` is damaged: the newest intact tag
+    and the ``--load DIR/TAG`` that loads it, or that there is none."""
+    tag = newest_intact_tag(load_dir, skip=(refused,))
+    if tag is None:
+        return f"{load_dir} holds no other intact tag"
+    return f"the newest intact tag is {tag}: resume from it with --load {os.path.join(load_dir, tag)}"
+
+
+def check_load(path: str) -> tuple[str, str]:
+    """Check ``--load PATH`` before any process group exists: a tag is named (by ``latest`` or as
+    ``DIR/TAG``) and its files match its manifest's names and sizes; returns ``(load_dir, tag)``.
+
+    Raises:
+        ValueError: one line naming the problem and, for a damaged tag, the newest intact one.
+    """
+    load_dir, tag = resolve_load(path)
+    problems = check_manifest(os.path.join(load_dir, tag))
+    if problems:
+        _refuse(path, problems, load_dir, tag)
+    return load_dir, tag
+
+
+def check_save_dir(save_dir: str) -> None:
+    """Make sure ``--save DIR`` is, or can be created as, a folder this process can write: it is
+    created and a probe file is written and removed in it (before the first step, not at the first save).
+
+    Raises:
+        ValueError: one line naming the folder and the reason.
+    """
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"--save {save_dir}: exists and is not a folder")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--save {save_dir}: cannot create the folder ({_one_line(e)})") from None
+    probe = os.path.join(save_dir, f".scape_write_probe.{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+    except OSError as e:
+        raise ValueError(f"--save {save_dir}: the folder is not writable ({_one_line(e)})") from None
+    finally:
+        _remove_quietly(probe)
+
+
+def estimate_checkpoint_bytes(engine) -> int:
+    """About how many bytes one checkpoint of ``engine`` takes (all ranks' files together).
+
+    ScapeAdamS (stage 0/1): DeepSpeed's model file (the parameters, plus data-parallel rank 0's
+    optimizer state, which DeepSpeed stores there too) and one SCAPE file per data-parallel rank
+    (an fp32 master and momentum shard, 8 N / D bytes, and the whole error-feedback buffer, N
+    elements). Any other optimizer: the parameters plus 16 bytes per parameter (fp32 master and two
+    moments), generous for Adam.
+    """
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    param_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in engine.module.parameters())
+    opt = scape_optimizer(engine)
+    if opt is None or is_scape_stage3(opt):
+        return param_bytes + 16 * n
+    d = opt.dp_world_size
+    ef_bytes = 2 if opt.cfg.error_feedback_dtype == "bf16" else 4
+    per_rank = 8 * n // d + ef_bytes * n
+    return param_bytes + (d + 1) * per_rank
+
+
+def free_bytes(save_dir: str) -> int:
+    """Free bytes on the file system holding ``save_dir`` (for this user)."""
+    return shutil.disk_usage(save_dir).free
+
+
+def discard_partial_tag(save_dir: str, tag: str) -> bool:
+    """Remove ``save_dir/tag`` after a failed save, unless ``latest`` names it; returns whether it did."""
+    tag_dir = os.path.join(save_dir, tag)
+    try:
+        if read_latest_tag(save_dir) == tag:
+            return False
+    except ValueError:
+        pass
+    if not os.path.isdir(tag_dir):
+        return False
+    shutil.rmtree(tag_dir, ignore_errors=True)
+    return not os.path.exists(tag_dir)
+
+
 def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
-    """Load the checkpoint ``latest`` names: model, scheduler, client state and this rank's SCAPE state.
+    """Load the checkpoint ``latest`` names (or the tag ``DIR/TAG`` names, :func:`resolve_load`):
+    model, scheduler, client state and this rank's SCAPE state.
 
     A checkpoint saved on another number of data-parallel ranks is re-sharded in memory
     (:mod:`scape_ds.elastic`; every rank reads every old rank's SCAPE file, under ZeRO-3 every old
@@ -187,13 +311,14 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
             data-parallel size with tensor/pipeline parallelism or (ZeRO-3) frozen parameters or
             another model (not supported).
     """
-    tag = read_latest_tag(load_dir)
+    given = load_dir
+    load_dir, tag = resolve_load(given)
     tag_dir = os.path.join(load_dir, tag)
     problems = check_manifest(tag_dir)  # the same answer on every rank, without communication
     if problems:
-        _refuse(load_dir, problems)
+        _refuse(given, problems, load_dir, tag)
     opt = scape_optimizer(engine)
-    problems, scape_state, zero3 = _check_contents(tag_dir), None, None
+    damaged, problems, scape_state, zero3 = _check_contents(tag_dir), [], None, None
     zopt = _zero3_optimizer(engine)
     if zopt is not None:  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files
         from .zero3 import zero3_layout
@@ -226,16 +351,34 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
                 scape_state = safe_load(scape_path)
             except ValueError as e:
                 problems.append(str(e))
+        mismatch = basis_mismatch(scape_state, opt.cfg) if scape_state is not None and not problems else ""
+        if mismatch:
+            problems.append(f"{tag} was saved with {mismatch}: their optimizer states differ; resume with the "
+                            f"saved settings")
+        changed = changed_settings(scape_state, opt.cfg) if scape_state is not None and not problems else ""
+        if changed:  # the masks index the old settings: re-laid out as an elastic resume on the same size
+            try:
+                scape_state = load_resharded_state(tag_dir, opt.comm.rank, opt.comm.world_size, opt.cfg.chunk_size)
+            except ValueError as e:
+                problems.append(f"{tag} was saved with other SCAPE settings ({changed}) and cannot be re-laid "
+                                f"out for them: {e}; resume with the saved settings")
+    elif zopt is None and scape_rank_files(tag_dir):
+        problems.append(f"{tag} was saved by ScapeAdamS (its SCAPE state files are there) and this run's optimizer is "
+                        f"{type(engine.optimizer).__name__}: resume with the config it was saved with "
+                        "(optimizer.type ScapeAdamS and its scape block)")
+    damaged = _gather_problems(damaged)
     problems = _gather_problems(problems)
+    if damaged:
+        _refuse(given, damaged + problems, load_dir, tag)
     if problems:
-        _refuse(load_dir, problems)
+        _refuse(given, problems)
     safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
     if zero3 is not None:
         return tag, _load_zero3_resharded(engine, *zero3)
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
                                                 load_lr_scheduler_states=True)
     if path is None:
-        raise ValueError(f"--load {load_dir}: DeepSpeed found no model state in {tag}")
+        raise ValueError(f"--load {given}: DeepSpeed found no model state in {tag}")
     if opt is not None:
         opt.load_state_dict(scape_state)
     return tag, client_state or {}
@@ -244,6 +387,37 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
 # what DeepSpeed's _load_checkpoint keeps out of the client state (optimizer and scheduler states loaded)
 _DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                      "random_ltd", "lr_scheduler", "optimizer")
+
+
+# settings that choose the masks (their number per chunk, their layout, when they change): a change
+# between save and load drops the saved masks and makes the first step a dense refresh
+_MASK_SETTINGS = ("sparsity", "chunk_size", "mask_refresh_interval")
+
+
+def basis_mismatch(scape_state: dict, cfg) -> str:
+    """``"scape.basis 'dct', this run has 'coordinate'"``: a setting of the transform basis in which the
+    saved ScapeAdamS state differs from ``cfg`` and that no re-layout converts (the basis; under basis
+    "dct" also ``dct_update``, whose momentum, and ``chunk_size``, whose tiles, the state holds); empty
+    if none does."""
+    saved = (scape_state.get("scape") or {}).get("config") or {}
+    keys = [("basis", "coordinate")]
+    if cfg.basis == "dct" and saved.get("basis", "coordinate") == "dct":
+        keys += [("dct_update", "sign"), ("chunk_size", 4096)]
+    for name, default in keys:
+        if saved.get(name, default) != getattr(cfg, name):
+            return f"scape.{name} {saved.get(name, default)!r}, this run has {getattr(cfg, name)!r}"
+    return ""
+
+
+def changed_settings(scape_state: dict, cfg) -> str:
+    """``"sparsity 0.99 -> 0.9, chunk_size 4096 -> 1024"``: the mask settings in which the saved
+    ScapeAdamS state (``state_dict()``) differs from ``cfg``; empty if none do. Under basis "dct" none
+    matter: its masks are chosen afresh every step (``basis_mismatch`` covers its tiles)."""
+    saved = (scape_state.get("scape") or {}).get("config") or {}
+    if cfg.basis == "dct":
+        return ""
+    return ", ".join(f"{name} {saved[name]} -> {getattr(cfg, name)}" for name in _MASK_SETTINGS
+                     if name in saved and saved[name] != getattr(cfg, name))
 
 
 def _load_zero3_resharded(engine, optim_state: dict, model_state: dict) -> dict:
@@ -281,9 +455,12 @@ def _zero3_optimizer(engine):
     return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) else None
 
 
-def _refuse(load_dir: str, problems: list[str]):
+def _refuse(given: str, problems: list[str], load_dir: str | None = None, tag: str | None = None):
+    """Raise the one-line refusal of ``--load given``; with ``tag`` (a damaged tag of ``load_dir``)
+    it ends with the newest intact tag there and the ``--load DIR/TAG`` that resumes from it."""
     more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-    raise ValueError(f"--load {load_dir}: " + "; ".join(problems[:3]) + more)
+    hint = f"; {intact_tag_hint(load_dir, tag)}" if tag is not None else ""
+    raise ValueError(f"--load {given}: " + "; ".join(problems[:3]) + more + hint)
 
 
 # ---------------------------------------------------------------- safe loading
@@ -419,11 +596,11 @@ def check_manifest(tag_dir: str) -> list[str]:
     return problems
 
 
-def _check_contents(tag_dir: str) -> list[str]:
-    """This rank's share of the tag's files (file i on rank i mod world size): sha256 against the
-    manifest, and the pickle scanned for objects weights_only loading refuses."""
+def _check_contents(tag_dir: str, share: bool = True) -> list[str]:
+    """This rank's share of the tag's files (file i on rank i mod world size; every file when not
+    ``share``): sha256 against the manifest, and the pickle scanned for objects weights_only loading refuses."""
     files = _read_manifest(tag_dir)
-    rank, world = _rank_world()
+    rank, world = _rank_world() if share else (0, 1)
     problems = []
     for name in sorted(files)[rank::world]:
         full = os.path.join(tag_dir, name)

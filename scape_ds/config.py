@@ -9,6 +9,7 @@ Invalid values raise ``ValueError`` naming the field, the value and what is allo
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -20,7 +21,9 @@ __all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
 class ScapeConfig(BaseModel):
     """SCAPE settings (docs/design.md, The step). One spelling of each name in JSON, kwargs and logs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a JSON string or float where a number, integer or bool is documented is an error, not
+    # coerced ("0.99", 4096.0, "yes"); an integer is still accepted for a float field (sparsity: 0)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     compressor: Literal["scape", "topk", "randk", "dense"] = "scape"
     """Who chooses the kept coordinates: ``scape`` from |momentum| at the shard owner; ``topk`` from
@@ -285,6 +288,22 @@ class ScapeConfig(BaseModel):
         return max(1, min(self.chunk_size, round(self.density * self.chunk_size)))
 
 
+_STRICT_TYPES = {"float_type": "a number without quotes", "int_type": "an integer without quotes or a decimal point",
+                 "bool_type": "true or false without quotes"}
+
+
+def _json_type(value: Any) -> str:
+    return {str: "string", bool: "bool", int: "integer", float: "number", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _as_json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _format_error(err: ValidationError, prefix: str) -> str:
     lines = []
     for e in err.errors():
@@ -295,6 +314,9 @@ def _format_error(err: ValidationError, prefix: str) -> str:
             msg = f"unknown field; allowed fields: {allowed}"
         elif e["type"] == "literal_error":
             msg = f"{msg} (got {e.get('input')!r})"
+        elif e["type"] in _STRICT_TYPES:  # strict mode: no coercion from strings, floats or numbers
+            got = e.get("input")
+            msg = f"{msg}, got {_as_json(got)} (a JSON {_json_type(got)}): write {_STRICT_TYPES[e['type']]}"
         lines.append(f"{prefix}{field}: {msg}")
     return "invalid scape config: " + "; ".join(lines)
 

@@ -24,14 +24,15 @@ import contextlib
 import copy
 import json
 import os
+import sys
 from typing import Any
 
 from .config import parse_scape_config, zero_stage
 from .exchange.refused import refusal_message, refused_settings
 from .optim import AdamS, ScapeAdamS
 
-__all__ = ["initialize", "read_ds_config", "auto_keys", "scape_optimizer", "is_scape_optimizer", "is_scape_stage3",
-           "SCAPE_OPTIMIZERS"]
+__all__ = ["initialize", "read_ds_config", "check_block_names", "auto_keys", "scape_optimizer", "is_scape_optimizer",
+           "is_scape_stage3", "SCAPE_OPTIMIZERS"]
 
 SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
 _ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -73,6 +74,30 @@ def read_ds_config(config: str | dict | None = None, args: Any = None) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {config} is not valid JSON: {e}") from None
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and adjacent swaps."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def check_block_names(cfg: dict) -> None:
+    """Refuse a top-level key that looks like a misspelled ``"scape"`` (edit distance 1-2, any case):
+    DeepSpeed ignores unknown keys, so ``"scapee"`` would train at SCAPE's defaults without a word.
+
+    Raises:
+        ValueError: naming the key.
+    """
+    for key in cfg:
+        if isinstance(key, str) and key != "scape" and _edit_distance(key.lower(), "scape") <= 2:
+            raise ValueError(f"the DeepSpeed config has a top-level key {key!r}: did you mean \"scape\"? "
+                             "(DeepSpeed ignores unknown keys, so SCAPE would run at its defaults)")
 
 
 def auto_keys(cfg: Any, prefix: str = "") -> list[str]:
@@ -129,6 +154,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = copy.copy(args)
         args.deepspeed_config = None  # we pass the edited config dict instead
+    check_block_names(cfg)
     opt_block = cfg.get("optimizer") or {}
     opt_type = opt_block.get("type")
     if "scape" in cfg and opt_type != "ScapeAdamS":
@@ -156,6 +182,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
         scape_cfg = parse_scape_config(cfg.get("scape"))
         check_stage3_config(cfg)
+        if "scape" not in cfg:
+            _say_defaults(scape_cfg)
         if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
             raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' "
                              "in this version")
@@ -172,6 +200,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif use_scape:
         scape_cfg = parse_scape_config(cfg.get("scape"))
         _check_path_a(cfg)
+        if "scape" not in cfg:
+            _say_defaults(scape_cfg)
         ds_cfg.pop("zero_optimization", None)  # stage 1 == SCAPE's own sharding; DeepSpeed runs stage 0
         # DeepSpeed would clip each rank's local gradient (its default is 1.0, not off): the
         # optimizer clips the reduced one instead, with the config's value or DeepSpeed's default
@@ -228,6 +258,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
     return engine, opt, loader, sched
+
+
+def _say_defaults(scape_cfg) -> None:
+    """One line (rank 0) that ScapeAdamS runs without a ``"scape"`` block, at the defaults."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(f"scape_ds: optimizer.type ScapeAdamS and no \"scape\" block in the config: SCAPE's defaults are in use "
+          f"(sparsity {scape_cfg.sparsity}, mask_refresh_interval {scape_cfg.mask_refresh_interval}, "
+          f"chunk_size {scape_cfg.chunk_size}; scape_ds/config.py)", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

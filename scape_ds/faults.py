@@ -100,20 +100,43 @@ def bound_group_timeouts(timeout_s: float) -> int:
     return len(groups)
 
 
-def probe_peers(rank: int, world_size: int, wait_s: float) -> list[int] | None:
+def _accepts_connections(addr: tuple[str, int], timeout_s: float) -> bool:
+    """Whether a TCP connection to ``addr`` opens within ``timeout_s`` (closed at once)."""
+    import socket
+
+    try:
+        socket.create_connection(addr, timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def probe_peers(rank: int, world_size: int, wait_s: float, store_addr: tuple[str, int] | None = None
+                ) -> list[int] | None:
     """The ranks that did not post to the rendezvous store within ``wait_s`` seconds of this one.
 
     Every rank that lost a peer calls this: it posts its own key and waits for the others'. Returns
     None when the store itself does not answer (it lives in rank 0's process, on ``MASTER_ADDR``).
-    The store calls run in a daemon thread joined with a deadline (a store call to an unreachable
-    host can block past the store's own timeout), so the probe costs ``wait_s`` and no more.
+    With ``store_addr`` (host, port) a plain TCP connection is tried first: a closed port (rank 0's
+    process has ended) answers None at once, without the store client's C++ warning and stack
+    frames on stderr ahead of the one line. The store calls run in a daemon thread joined with a
+    deadline (a store call to an unreachable host can block past the store's own timeout), so the
+    probe costs ``wait_s`` and no more.
     """
     from torch.distributed import distributed_c10d as c10d
 
+    if store_addr is not None and not _accepts_connections(store_addr, wait_s):
+        return None
     found: dict = {}
     deadline = time.monotonic() + wait_s
 
     def run():
+        try:
+            ask()
+        except Exception:  # noqa: BLE001 (DistNetworkError, DistStoreError...): the store did not answer
+            pass  # no "answered": reported as None, without a thread traceback ahead of the one line
+
+    def ask():
         store = c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=wait_s))
         store.add(_KEY.format(rank), 1)  # a round trip: raises (or blocks) if the store does not answer
@@ -212,7 +235,9 @@ def report_lost_peer(exc: BaseException, watch: PeerWatch, timeout_s: float, sav
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    silent = probe_peers(rank, world, min(3.0, max(1.0, timeout_s / 4))) if world > 1 else []
-    store_addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    addr = (host, int(port)) if host and port.isdigit() else None
+    silent = probe_peers(rank, world, min(3.0, max(1.0, timeout_s / 4)), addr) if world > 1 else []
+    store_addr = f"{host or '?'}:{port or '?'}"
     return describe_lost_peer(rank, exc, silent, phase=watch.phase, timeout_s=timeout_s, save_dir=save_dir,
                               store_addr=store_addr)

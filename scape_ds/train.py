@@ -15,7 +15,8 @@ The training loop behind ``launch/pretrain.py`` (its docstring has the commands)
 
 A peer lost mid-run (a dropped link, a dead node) ends every rank within ``--dist-timeout`` (plus a
 few seconds) with one line naming the silent rank and the last complete checkpoint, and exit code 3
-(:mod:`scape_ds.faults`).
+(:mod:`scape_ds.faults`). SIGTERM, SIGINT or the launcher's end stops every rank after the same
+step, saved with ``--save``, with one line naming the tag and exit code 143 (:mod:`scape_ds.stop`).
 
 Rank 0 prints and writes metrics; every rank trains. Heavy imports (torch, DeepSpeed) happen inside
 the functions, so a bad input is reported before they load.
@@ -83,15 +84,22 @@ def check_inputs(args) -> dict:
     Raises:
         ValueError, TypeError, ImportError: a bad option, config field, corpus or checkpoint, named.
     """
-    from scape_ds.checkpoint import read_latest_tag
+    import math
+
+    from scape_ds.checkpoint import check_load, check_save_dir
     from scape_ds.config import parse_scape_config, zero_stage
     from scape_ds.data import load_corpus
-    from scape_ds.engine import read_ds_config
+    from scape_ds.engine import check_block_names, read_ds_config
 
     for name in ("train_iters", "log_interval", "eval_interval", "eval_iters", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.dist_timeout > 0 and math.isfinite(args.dist_timeout)):
+        raise ValueError(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout:g}")
+    if args.save_interval < 0:
+        raise ValueError(f"--save-interval must be >= 0 (0: only at the end), got {args.save_interval}")
     cfg = read_ds_config(args.deepspeed_config)
+    check_block_names(cfg)
     if "scape" in cfg:
         parse_scape_config(cfg["scape"])
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -110,7 +118,9 @@ def check_inputs(args) -> dict:
         raise ValueError(f"{args.deepspeed_config}: set train_micro_batch_size_per_gpu")
     load_corpus(args.corpus)
     if args.load:
-        read_latest_tag(args.load)
+        check_load(args.load)  # a named, complete tag (sizes against its manifest; hashes when loading)
+    if args.save:
+        check_save_dir(args.save)  # created and probed now, not at the first save
     return cfg
 
 
@@ -287,6 +297,18 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
             f"{val_data.numel()/1e6:.2f}M val bytes, unigram entropy {unigram_entropy(train_data):.3f} nats")
 
 
+def _warn_if_low_disk(engine, save_dir: str, is_main: bool) -> None:
+    """One warning line (rank 0) when ``save_dir``'s file system has less free space than one
+    checkpoint is estimated to take (:func:`scape_ds.checkpoint.estimate_checkpoint_bytes`)."""
+    from scape_ds.checkpoint import estimate_checkpoint_bytes, free_bytes
+
+    need, free = estimate_checkpoint_bytes(engine), free_bytes(save_dir)
+    if is_main and free < need:
+        print(f"pretrain.py: warning: --save {save_dir} has {free / 1e6:.1f} MB free and one checkpoint takes about "
+              f"{need / 1e6:.1f} MB: the first save may fail (the previous checkpoint stays)", file=sys.stderr,
+              flush=True)
+
+
 def _log_line(record: dict) -> str:
     """The line printed every --log-interval steps and at each validation."""
     sent, dense = record["bytes_sent"], record["bytes_dense"]
@@ -325,7 +347,7 @@ def format_summary(summary: dict, losses: list[float]) -> str:
             f"{dense / 1e6:.1f} MB: {frac:.2%} ({saved})")
 
 
-def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None) -> dict:
+def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None, stop=None) -> dict:
     """Train ``args.train_iters`` optimizer steps (from the checkpoint's step with ``--load``).
 
     Needs torch.distributed started (:func:`init_distributed`).
@@ -337,6 +359,12 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
             counts from 1), after that step's record and validation, outside the timed region.
         watch: a :class:`scape_ds.faults.PeerWatch` whose ``phase`` the loop keeps current (step,
             validation, save), for the report of a lost peer.
+        stop: a :class:`scape_ds.stop.StopRequest` asked after every step (and before the first)
+            whether any rank was asked to stop; if so the ranks save that step (with ``--save``)
+            and raise :class:`scape_ds.stop.Stopped`. None: no check (no extra collective).
+
+    Raises:
+        scape_ds.stop.Stopped: the ranks stopped on request (``stop``), after saving with ``--save``.
 
     Returns:
         ``steps`` (of this run), ``final_loss`` (the last step's), ``val_loss`` (the last validation),
@@ -346,11 +374,12 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+    from scape_ds.checkpoint import load_checkpoint, resolve_load, save_checkpoint
     from scape_ds.data import build_datasets
     from scape_ds.engine import scape_optimizer
     from scape_ds.faults import PeerWatch, bound_group_timeouts
     from scape_ds.metrics import MetricsWriter
+    from scape_ds.stop import Stopped
 
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
@@ -363,12 +392,14 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     engine = setup.engine
     opt = scape_optimizer(engine)
     dense_bytes = dense_bytes_for(setup.model, setup.dp_size)
+    if args.save:
+        _warn_if_low_disk(engine, args.save, is_main)
     start = 0
     if args.load:
         tag, client = load_checkpoint(engine, args.load)
         start = int(client.get("step", engine.global_steps))
         if is_main:
-            print(f"resumed from {args.load}/{tag} at step {start}", flush=True)
+            print(f"resumed from {os.path.join(resolve_load(args.load)[0], tag)} at step {start}", flush=True)
     tokens_per_step = (engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
                        * setup.dp_size * args.seq_len)
     if is_main:
@@ -381,6 +412,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     losses, val_loss = [], float("nan")
     t_run = time.perf_counter()
     with metrics:
+        if stop is not None and (reason := stop.agreed()):  # asked during start-up: nothing new to save
+            bar.close()
+            raise Stopped(start, reason, None)
         for step in range(start, args.train_iters):
             watch.phase = f"step {step + 1}"
             lr = engine.get_lr()[0]
@@ -410,10 +444,17 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
                 bar.write(_log_line(record))
             if on_step is not None:
                 on_step(step + 1, engine)
+            saved = None
             if (args.save and args.save_interval and (step + 1) % args.save_interval == 0
                     and step + 1 != args.train_iters):
                 watch.phase = f"saving global_step{step + 1}"
-                save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+                saved = save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+            if stop is not None and step + 1 != args.train_iters and (reason := stop.agreed()):
+                if args.save and saved is None:
+                    watch.phase = f"saving global_step{step + 1}"
+                    saved = save_checkpoint(engine, args.save, step + 1, dict(step=step + 1))
+                bar.close()
+                raise Stopped(step + 1, reason, saved)
         bar.close()
         if opt is not None:
             opt.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
@@ -430,8 +471,10 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
 
 def main(argv=None) -> int:
     """Run ``launch/pretrain.py``: 0 on success, 2 (one line on stderr) on bad input, 1 (one line)
-    when a checkpoint could not be written; a rank whose peer stopped answering prints one line
-    (:mod:`scape_ds.faults`) and ends the process with exit code 3."""
+    when a checkpoint could not be written, 143 when SIGTERM, SIGINT or the launcher's end stopped
+    the run (after saving the step with ``--save``; one line naming the tag, :mod:`scape_ds.stop`);
+    a rank whose peer stopped answering prints one line (:mod:`scape_ds.faults`) and ends the
+    process with exit code 3."""
     args = build_parser().parse_args(argv)
     try:
         cfg = check_inputs(args)
@@ -439,13 +482,23 @@ def main(argv=None) -> int:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from scape_ds.stop import STOP_EXIT_CODE, Stopped, StopRequest
+
+    stop = StopRequest()
+    stop.install()  # SIGTERM/SIGINT and the launcher's end: stop after the step, with a checkpoint
     init_distributed(args.dist_timeout)
     from scape_ds.checkpoint import CheckpointSaveError
     from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
 
     watch = PeerWatch()
     try:
-        train(args, cfg, watch=watch)
+        train(args, cfg, watch=watch, stop=stop)
+    except Stopped as e:  # every rank, after the same step
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"pretrain.py: {_stopped_line(e, args.save)}", file=sys.stderr, flush=True)
+        return STOP_EXIT_CODE
     except (ValueError, ImportError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -455,6 +508,10 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         if not is_peer_lost(e):
             raise
+        if args.save and watch.phase.startswith("saving "):  # a tag half written: not left behind
+            from scape_ds.checkpoint import discard_partial_tag
+
+            discard_partial_tag(args.save, watch.phase.split()[1])
         print(f"pretrain.py: error: {report_lost_peer(e, watch, args.dist_timeout, args.save)}", file=sys.stderr,
               flush=True)
         sys.stdout.flush()
@@ -467,6 +524,20 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _stopped_line(e, save_dir: str | None) -> str:
+    """The line rank 0 prints when the ranks stopped on request (:class:`scape_ds.stop.Stopped`)."""
+    from scape_ds.faults import last_checkpoint
+
+    where = f"after step {e.step}" if e.step else "before the first step"
+    if e.tag_dir:
+        saved = f"saved {os.path.basename(e.tag_dir)} in {save_dir}: resume with --load {save_dir}"
+    elif save_dir:
+        saved = f"nothing new to save; {last_checkpoint(save_dir)}"
+    else:
+        saved = "nothing saved (no --save)"
+    return f"stopped {where} ({e.reason}): {saved}"
 
 
 def run(argv=None) -> None:

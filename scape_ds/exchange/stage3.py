@@ -225,4 +225,8 @@ class Stage3Exchange:
         self._flat_index = self._replica_index = None
         self.step = saved["step"]
         self.refresh_next = bool(saved.get("refresh_next", False))  # set by scape_ds.elastic
+        if any(m.shape[-1] != self.k(p) for p in self.params if (m := self.masks.get(p.ds_id)) is not None):
+            # saved at another sparsity: its masks have another k; the error feedback stays (one
+            # gradient's size whatever the sparsity) and the next step, dense, chooses new masks
+            self.masks, self.refresh_next = {}, True
         self.pending.drop()

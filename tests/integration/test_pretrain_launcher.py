@@ -102,6 +102,67 @@ def test_load_of_non_checkpoint_is_one_line_error(tmp_path):
     _one_line_error(proc, "not a checkpoint directory", "notackpt")
 
 
+def _scape_json(tmp_path, name="edited.json", top=None, **scape):
+    """ds_configs/scape.json with ``scape`` fields set and top-level keys renamed (``top``: old -> new)."""
+    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+        cfg = json.load(f)
+    cfg["scape"].update(scape)
+    for old, new in (top or {}).items():
+        cfg[new] = cfg.pop(old)
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,needles", [
+    ("save_under_a_file", ["--save /etc/passwd/x: cannot create the folder", "NotADirectoryError"]),
+    ("save_is_a_file", ["exists and is not a folder"]),
+    ("dist_timeout_0", ["--dist-timeout must be a number of seconds > 0, got 0"]),
+    ("load_incomplete_tag", ["has no manifest.json", "holds no other intact tag"]),
+    ("sparsity_string", ['scape.sparsity: Input should be a valid number, got "0.99" (a JSON string)']),
+    ("chunk_size_float", ["scape.chunk_size: Input should be a valid integer, got 4096.0"]),
+    ("dense_refresh_yes", ['scape.dense_refresh: Input should be a valid boolean, got "yes"']),
+    ("scapee", ["top-level key 'scapee': did you mean \"scape\"?"]),
+])
+def test_bad_input_is_one_line_error_before_the_first_step(tmp_path, case, needles):
+    """Issue 35 items 4 and 6: each is one line on stderr and exit 2, before any process group."""
+    args = ["--deepspeed_config", "ds_configs/scape.json", "--train-iters", "2"]
+    if case == "save_under_a_file":
+        args += ["--save", "/etc/passwd/x"]  # root writes past chmod: a path under a file is read-only for all
+    elif case == "save_is_a_file":
+        (tmp_path / "f").write_text("x")
+        args += ["--save", str(tmp_path / "f")]
+    elif case == "dist_timeout_0":
+        args += ["--dist-timeout", "0"]
+    elif case == "load_incomplete_tag":
+        (tmp_path / "ck" / "global_step4").mkdir(parents=True)
+        (tmp_path / "ck" / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 8)
+        (tmp_path / "ck" / "latest").write_text("global_step4")
+        args += ["--load", str(tmp_path / "ck")]
+    else:
+        edits = dict(sparsity_string=dict(sparsity="0.99"), chunk_size_float=dict(chunk_size=4096.0),
+                     dense_refresh_yes=dict(dense_refresh="yes"), scapee=dict(top={"scape": "scapee"}))[case]
+        args[1] = _scape_json(tmp_path, **edits)
+    proc = _run_single(args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "step     1" not in proc.stdout
+    _one_line_error(proc, *needles)
+
+
+@pytest.mark.timeout(300)
+def test_scape_optimizer_without_block_says_the_defaults_are_in_use(tmp_path):
+    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+        cfg = json.load(f)
+    del cfg["scape"]
+    (tmp_path / "noblock.json").write_text(json.dumps(cfg))
+    proc = _run_single(["--deepspeed_config", str(tmp_path / "noblock.json"), "--train-iters", "1", "--no-progress",
+                        "--eval-iters", "1", "--seq-len", "32"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "SCAPE's defaults are in use" in line]
+    assert len(lines) == 1 and "sparsity 0.99" in lines[0], proc.stderr[-3000:]
+
+
 def _launch(n, *args):
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
            "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_megatron.json", "--no-progress",
@@ -181,3 +242,28 @@ def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
     # each rank prints the same line (the launcher may stop the second before it does)
     assert all(str(victim) in line and "truncated or altered" in line for line in errors), errors
     assert "Traceback" not in out and "resumed from" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_full_disk_is_warned_before_step_1_and_the_failed_save_leaves_nothing(tmp_path):
+    """Issue 35 items 4 and 7 on the launcher: a 4 MiB --save (one tag is ~12 MB) is warned about
+    with the estimate before the first step; the save fails with one line, its partial tag removed."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "2",
+               "--eval-iters", "1", "--no-progress", "--dist-timeout", "20", "--save", str(small / "ck")]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
+        left = os.listdir(small / "ck")
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("pretrain.py: warning: --save")]
+    assert len(warned) == 1 and "one checkpoint takes about 12." in warned[0], out[-3000:]
+    failed = [line for line in proc.stderr.splitlines() if "saving global_step2 in" in line and "failed" in line]
+    assert len(failed) == 1 and "the partial global_step2 was removed" in failed[0], out[-3000:]
+    assert left == [] and "Traceback" not in out and "frame #" not in out, (left, out[-3000:])

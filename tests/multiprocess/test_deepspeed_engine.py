@@ -126,6 +126,81 @@ def test_resume_is_exact_at_sparsity_099(tmp_path):
         assert torch.equal(ma, mb), "mask differs after resume"
 
 
+# ---------------------------------------------------------------- resume with other SCAPE settings (issue 35)
+_SAVED = dict(sparsity=0.99, chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024)
+
+
+def _scape_totals(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first N elements of the error-feedback sum over ranks (fp64) and of the flat momentum
+    (every rank's shard, gathered), for the first param group."""
+    opt = engine.optimizer
+    sc = opt.state_dict()["scape"]["groups"][0]
+    n, world = sc["numel"], dist.get_world_size()
+    error = sc["error"].double()
+    dist.all_reduce(error)
+    shards = [torch.empty_like(sc["momentum"]) for _ in range(world)]
+    dist.all_gather(shards, sc["momentum"])
+    return error[:n], torch.cat(shards)[:n]
+
+
+def _worker_changed_settings(rank, world_size, tmp_path, ckpt, phase):
+    _set_env(rank)
+    from scape_ds.checkpoint import estimate_checkpoint_bytes, load_checkpoint, save_checkpoint
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    if phase == "save":
+        engine = _engine(_config("scape.json", **_SAVED))
+        _train(engine, train, 0, 3)  # steps 2 and 3 are sparse: error feedback held back
+        error, momentum = _scape_totals(engine)
+        save_checkpoint(engine, ckpt, 3, dict(step=3))
+        tag_dir = os.path.join(ckpt, "global_step3")
+        size = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
+        return _params(engine), error, momentum, size, estimate_checkpoint_bytes(engine)
+    out = {}
+    for name, changed in [("sparsity", dict(sparsity=0.9)),
+                          ("all three", dict(sparsity=0.9, chunk_size=128, mask_refresh_interval=6))]:
+        engine = _engine(_config("scape.json", **{**_SAVED, **changed}))
+        tag, client = load_checkpoint(engine, ckpt)
+        loaded = (_params(engine), *_scape_totals(engine), engine.optimizer.mask_offsets())
+        losses = _train(engine, train, 3, 7)  # the first step is a dense refresh with new masks
+        kc = engine.optimizer.cfg.k_per_chunk
+        out[name] = (tag, client["step"], loaded, losses, engine.optimizer.mask_offsets().numel() % kc == 0)
+    dense = _engine(_config("dense_adamw.json"))
+    try:
+        load_checkpoint(dense, ckpt)
+        out["adamw"] = "loaded"
+    except ValueError as e:
+        out["adamw"] = str(e)
+    return out
+
+
+def test_resume_with_other_sparsity_chunk_size_and_interval_keeps_the_state(tmp_path):
+    """Saved at 0.99 (C=256, T=4), resumed at 0.9 (and C=128, T=6): the weights, the momentum and
+    the error-feedback sum are carried over, the masks are chosen afresh by a dense refresh, and
+    training goes on; an AdamW config refuses the SCAPE checkpoint in one line."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(_worker_changed_settings, 2, tmp_path / "a", ckpt, "save")
+    params, error, momentum, size, estimate = saved[0]
+    assert error.abs().sum() > 0  # there is unsent gradient to lose
+    assert 0.8 * size <= estimate <= 1.25 * size, (size, estimate)
+    resumed = run_ranks(_worker_changed_settings, 2, tmp_path / "b", ckpt, "load")
+    for out in resumed:
+        for name in ("sparsity", "all three"):
+            tag, step, (p, e, m, mask), losses, whole_chunks = out[name]
+            assert (tag, step) == ("global_step3", 3), name
+            # the weights: the saved ones, with the weight decay owed outside the old mask settled
+            # (lazy decay: at most lr * weight_decay * 3 steps, relative)
+            assert all(torch.allclose(a, b, rtol=2e-3, atol=0) for a, b in zip(p, params)), f"{name}: weights differ"
+            assert torch.equal(m, momentum), f"{name}: momentum differs"
+            # kept whole on rank 0, summed in fp64 and stored in fp32 once
+            assert torch.allclose(e, error, rtol=1e-6, atol=1e-9), f"{name}: error feedback lost"
+            assert mask is None and whole_chunks, name  # no saved mask kept; new masks after the refresh
+            assert all(x == x and x < 10 for x in losses), (name, losses)  # finite, still learning
+        assert "saved by ScapeAdamS" in out["adamw"] and "\n" not in out["adamw"], out["adamw"]
+    assert resumed[0]["adamw"] == resumed[1]["adamw"]
+
+
 # ---------------------------------------------------------------- a save killed half way
 def _small_engine():
     return _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
@@ -268,8 +343,8 @@ def _worker_disk_full(rank, world_size, tmp_path, ckpt):
         error = None
     except CheckpointSaveError as e:
         error = str(e)
-    leftovers = [n for n in os.listdir(os.path.join(ckpt, "global_step4")) if ".tmp." in n] \
-        if os.path.isdir(os.path.join(ckpt, "global_step4")) else []
+    leftovers = os.listdir(os.path.join(ckpt, "global_step4")) if os.path.isdir(os.path.join(ckpt, "global_step4")) \
+        else []  # the partial tag folder is removed
     engine = _small_engine()
     tag, client = load_checkpoint(engine, ckpt)
     return error, leftovers, tag, client["step"], all(torch.equal(a, b) for a, b in zip(_params(engine), saved))
@@ -287,7 +362,7 @@ def test_disk_full_during_save_is_one_line_and_keeps_previous(tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(ckpt)], check=False)
     assert error is not None and "saving global_step4" in error and "\n" not in error, error
-    assert "latest still names global_step2" in error, error
+    assert "latest still names global_step2" in error and "the partial global_step4 was removed" in error, error
     assert leftovers == [] and (tag, step, same) == ("global_step2", 2, True)
 
 

@@ -57,3 +57,19 @@ def test_run_resumes_exactly_from_its_checkpoint(tmp_path, config):
     assert [c for c, _ in resumed] == [[(3, 3), (4, 4)]] * 2
     assert resumed[0][1]["final_loss"] == straight[0][1]["final_loss"]
     assert resumed[0][1]["val_loss"] == straight[0][1]["val_loss"]
+
+
+def test_dct_resume_across_sparsity_trains_on_and_another_basis_is_refused(tmp_path):
+    """basis "dct" chooses its masks every step: a checkpoint resumes at another sparsity as it is; a
+    run in the coordinate basis refuses it before DeepSpeed loads anything."""
+    ckpt = os.path.join(tmp_path, "ckpt")
+    run_ranks(_worker, 2, tmp_path / "a", 2, "scape_dct.json", ("--save", ckpt), timeout_s=120)
+    with open(os.path.join(REPO, "ds_configs", "scape_dct.json")) as f:
+        cfg = json.load(f)
+    cfg["scape"]["sparsity"] = 0.9
+    (tmp_path / "s90.json").write_text(json.dumps(cfg))
+    resumed = run_ranks(_worker, 2, tmp_path / "b", 4, str(tmp_path / "s90.json"), ("--load", ckpt), timeout_s=120)
+    assert [c for c, _ in resumed] == [[(3, 3), (4, 4)]] * 2
+    assert math.isfinite(resumed[0][1]["final_loss"])
+    with pytest.raises(AssertionError, match="saved with scape.basis 'dct', this run has 'coordinate'"):
+        run_ranks(_worker, 2, tmp_path / "c", 4, "scape.json", ("--load", ckpt), timeout_s=120)

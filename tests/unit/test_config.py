@@ -124,3 +124,40 @@ def test_every_bundled_ds_config_has_a_valid_scape_block():
             block = json.load(f).get("scape")
         if block is not None:
             parse_scape_config(block)  # raises on a bad field
+
+
+# ---------------------------------------------------------------- issue 35: strict types, misspelled block
+@pytest.mark.parametrize("block,needle", [
+    ({"sparsity": "0.99"}, 'scape.sparsity: Input should be a valid number, got "0.99" (a JSON string)'),
+    ({"chunk_size": 4096.0}, "scape.chunk_size: Input should be a valid integer, got 4096.0 (a JSON number)"),
+    ({"dense_refresh": "yes"}, 'scape.dense_refresh: Input should be a valid boolean, got "yes" (a JSON string)'),
+    ({"dense_refresh": 1}, "scape.dense_refresh: Input should be a valid boolean, got 1 (a JSON integer)"),
+    ({"mask_refresh_interval": True}, "scape.mask_refresh_interval: Input should be a valid integer, got true"),
+    ({"mask_refresh_interval": "100"}, "scape.mask_refresh_interval: Input should be a valid integer"),
+])
+def test_strings_and_floats_are_not_coerced(block, needle):
+    with pytest.raises(ValueError) as err:
+        parse_scape_config(block)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_integer_is_a_number():
+    cfg = parse_scape_config({"sparsity": 0, "catchup_gain": 1, "exploration": 0})
+    assert cfg.sparsity == 0.0 and cfg.catchup_gain == 1.0 and cfg.k_per_chunk == cfg.chunk_size
+
+
+@pytest.mark.parametrize("key", ["scapee", "scpae", "Scape", "scap", "sacpe", "spae"])
+def test_misspelled_scape_block_is_refused(key):
+    from scape_ds.engine import check_block_names
+
+    with pytest.raises(ValueError, match=f"top-level key '{key}': did you mean \"scape\""):
+        check_block_names({"optimizer": {"type": "ScapeAdamS"}, key: {"sparsity": 0.9}})
+
+
+def test_deepspeed_keys_are_not_taken_for_scape():
+    import deepspeed.runtime.constants as ds
+
+    from scape_ds.engine import check_block_names
+
+    keys = {v: 1 for k, v in vars(ds).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
+    check_block_names({**keys, "scape": {}})

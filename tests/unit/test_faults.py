@@ -82,3 +82,38 @@ def test_last_checkpoint_says_when_there_is_none_yet(tmp_path):
 
 def test_a_timeout_elsewhere_is_not_a_lost_peer():
     assert not is_peer_lost(RuntimeError("Timeout waiting for the lock on the extension build directory"))
+
+
+def test_probe_of_a_dead_store_returns_none_without_a_thread_traceback(monkeypatch):
+    import threading
+
+    from torch.distributed import DistNetworkError
+    from torch.distributed import distributed_c10d as c10d
+
+    from scape_ds.faults import probe_peers
+
+    class DeadStore:
+        def set_timeout(self, timeout):
+            pass
+
+        def add(self, key, n):
+            raise DistNetworkError("Connection reset by peer")  # rank 0, the store's host, went first
+
+    escaped = []
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: DeadStore())
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    assert probe_peers(1, 2, 0.5) is None
+    assert escaped == []
+
+
+def test_probe_of_a_closed_store_port_does_not_touch_the_store(monkeypatch):
+    from torch.distributed import distributed_c10d as c10d
+
+    from scape_ds.faults import probe_peers
+    from scape_ds.spawn import free_port
+
+    def no_store():
+        raise AssertionError("the store client was used")  # its C++ warning would precede the line
+
+    monkeypatch.setattr(c10d, "_get_default_store", no_store)
+    assert probe_peers(1, 2, 0.5, ("127.0.0.1", free_port())) is None  # nothing listens there

@@ -252,3 +252,36 @@ def test_stage3_exchange_keeps_what_it_did_not_send_and_resumes_from_its_state()
         again.check_loadable(dict(saved, world_size=2))
     with pytest.raises(ValueError, match="no SCAPE ZeRO-3 state"):
         again.check_loadable(None)
+
+
+def test_stage3_state_saved_at_another_sparsity_drops_its_masks_and_keeps_the_error():
+    """Issue 35 item 5 under ZeRO-3: masks of another k are dropped; the next step is dense and
+    chooses masks of the new k; the error feedback is kept as saved."""
+    from scape_ds.config import parse_scape_config
+    from scape_ds.exchange.stage3 import Stage3Exchange
+
+    torch.manual_seed(0)
+    params = [_zero3_param(1, (40,))]
+    ex = Stage3Exchange(parse_scape_config({"sparsity": 0.9, "mask_refresh_interval": 4}), _LoopbackComm(), params,
+                        True, torch.float32)
+    momentum = torch.randn(40)
+    for _ in range(2):  # a dense first step that chooses masks, then a sparse one that keeps error
+        ex.begin_step()
+        params[0].grad = torch.randn(40)
+        ex.reduce_scatter_grads(ex.params, torch.float32)
+        ex.end_step([(momentum, 0, ex.params[0])])
+    ex.pending.wait()
+    saved = ex.state_dict()
+    assert saved["masks"][0].shape == (1, 4) and saved["error"][0].abs().sum() > 0
+    again = Stage3Exchange(parse_scape_config({"sparsity": 0.5, "mask_refresh_interval": 6}), _LoopbackComm(),
+                           [_zero3_param(5, (40,))], True, torch.float32)
+    kept = saved["error"][0].clone()  # loading on the CPU shares the tensor, which the dense step flushes
+    again.load_state_dict(saved, torch.device("cpu"))
+    assert again.masks == {} and again.refresh_next and torch.equal(again.error[5], kept)
+    assert again.begin_step()  # dense: sends the kept error
+    again.params[0].grad = torch.zeros(40)
+    (sent,) = again.reduce_scatter_grads(again.params, torch.float32)
+    torch.testing.assert_close(sent, kept)
+    again.end_step([(momentum, 0, again.params[0])])
+    again.pending.wait()
+    assert again.masks[5].shape == (1, 20)
