@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 RANKS ?= 2
-CONFIG ?= ds_configs/scape.json
+CONFIG ?= ds_configs/scape_dct.json
 export OMP_NUM_THREADS ?= 1
 
 # `make wheelhouse`: wheels of scape_ds and everything it needs, for compute nodes without a package
