@@ -147,6 +147,8 @@ RUNS: dict[str, tuple] = {
     "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
     "dct99_adams": ("SCAPE dct 0.99, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
                     dict(dct_update="adams")),
+    "dct99_adamscoef": ("SCAPE dct 0.99, per-rank masks, AdamS on the coefficients", "scape_dct.json",
+                        dict(dct_update="adams_coef")),
     # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
     # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
     "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),

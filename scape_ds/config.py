@@ -154,11 +154,13 @@ class ScapeConfig(BaseModel):
     to D * (kc // D) slots per tile) is one mask for every rank: its values are averaged by a packed
     reduce-scatter and all-gather, O(k) per rank whatever D."""
 
-    dct_update: Literal["sign", "adams"] = "sign"
+    dct_update: Literal["sign", "adams", "adams_coef"] = "sign"
     """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
     the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
     optimizer state); ``adams``: one AdamS step on u with a momentum kept on every rank (4 bytes per
-    parameter more than ``sign``; at sparsity 0 this is dense AdamS)."""
+    parameter more than ``sign``; at sparsity 0 this is dense AdamS); ``adams_coef``: AdamS on the
+    mean coefficients themselves (its momentum in coefficients, on every rank), its step decoded, weight
+    decay in real space (at sparsity 0: dense AdamS on the DCT-rotated parameters)."""
 
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).

@@ -28,7 +28,7 @@ from ..comm import Communicator
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.masks import offsets_to_index
 
-__all__ = ["exchange_dct", "union_slots"]
+__all__ = ["exchange_dct", "decode_dct", "union_slots"]
 
 
 def union_slots(nominated: torch.Tensor, n_chunks: int, world_size: int, per_rank: int,
@@ -61,13 +61,14 @@ def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor
     return out.view(torch.int16)
 
 
-def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, q: torch.Tensor, grad: torch.Tensor,
-                 error: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float) -> torch.Tensor:
-    """Steps 1-4 for one param group: returns u, the decoded mean of what every rank sent, written into
-    ``grad`` ((N_pad,), the local gradient, consumed here), and updates ``error`` ((numel,) fp32).
+def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
+                 q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float) -> torch.Tensor:
+    """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
+    gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
+    (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u).
 
-    Allocates the (numel,) fp32 coefficient vector of the mean (the one buffer of the model's size a
-    step needs) and the packed values and offsets (O(D k)).
+    Allocates that (numel,) vector (the one buffer of the model's size a step needs) and the packed
+    values and offsets (O(D k)).
     """
     C, D = tiles.chunk_size, comm.world_size
     n_chunks = tiles.n_chunks
@@ -103,6 +104,11 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, q: torch.Tensor
         mean.index_add_(0, index, values)  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
-    mean.div_(D)
-    from_coefficients(tiles, mean, grad, q, kernels)  # (N_pad,) u, in place of the gradient
-    return grad
+    return mean.div_(D)
+
+
+def decode_dct(tiles: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> torch.Tensor:
+    """Step 4's decode: ``coef`` ((numel,) coefficients) to parameter space, written into ``out``
+    ((N_pad,), e.g. the consumed gradient buffer) and returned."""
+    from_coefficients(tiles, coef, out, q, kernels)
+    return out

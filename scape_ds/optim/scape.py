@@ -52,7 +52,7 @@ from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
-from .dct_step import exchange_dct
+from .dct_step import decode_dct, exchange_dct
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
 __all__ = ["ScapeAdamS"]
@@ -213,8 +213,10 @@ class ScapeAdamS(Optimizer):
                     gs.dct_q = dct_matrix(self.cfg.tile_size, state_dtype, device)  # (t, t)
                     gs.error = torch.zeros(gs.tiles.numel, dtype=state_dtype, device=device)  # (tiles t t,)
                     gs.master = None
-                    # dct_update "adams": AdamS on the decoded mean, its momentum on every rank (N_pad,)
-                    gs.momentum = torch.zeros_like(flat, dtype=state_dtype) if self.cfg.dct_update == "adams" else None
+                    # dct_update "adams": AdamS on the decoded mean, its momentum on every rank (N_pad,);
+                    # "adams_coef": AdamS on the mean coefficients, its momentum in coefficients (tiles t t,)
+                    gs.momentum = {"sign": None, "adams": torch.zeros_like(flat, dtype=state_dtype),
+                                   "adams_coef": torch.zeros_like(gs.error)}[self.cfg.dct_update]
                 if self.cfg.reselect_interval:
                     gs.decay_mark = torch.zeros(layout.shard_numel, dtype=torch.int32, device=device)  # (S,)
                 if self.cfg.update_rule == "catchup":
@@ -274,36 +276,51 @@ class ScapeAdamS(Optimizer):
         return loss
 
     def _step_dct(self, t: int) -> None:
-        """basis "dct" (``dct_step.py``): every step exchanges this step's top coefficients, every rank
-        decodes the same mean u and moves every parameter by it; the dense tensors take AdamS on their
-        all-reduced mean, as in the coordinate basis."""
+        """basis "dct" (``dct_step.py``): every step exchanges this step's top coefficients; every rank
+        holds the same mean coefficients and moves every parameter by them (``dct_update``); the dense
+        tensors take AdamS on their all-reduced mean, as in the coordinate basis."""
         meter, cfg = self.comm.meter, self.cfg
-        decoded = []
-        for gs in self._groups:
+        signals = []  # per group: what the update consumes (the decoded mean, or for adams_coef the
+        for gs in self._groups:  # coefficients), and the dense tensors' mean gradient
             dense_g = self._reduce_dense(gs)
-            u = None
+            signal = None
             if gs.flat_param is not None:
                 self._attach_grads(gs)
-                u = exchange_dct(self.comm, self._kernels, gs.tiles, gs.dct_q, gs.flat_grad, gs.error, mask=cfg.mask,
-                                 k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay)  # (N_pad,) in flat_grad
-            decoded.append((u, dense_g))
-        scale = self._replicated_clip_coefficient(decoded)
-        for group, gs, (u, dense_g) in zip(self.param_groups, self._groups, decoded):
+                signal = exchange_dct(self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q,
+                                      mask=cfg.mask, k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay)  # (numel,)
+                if cfg.dct_update != "adams_coef":
+                    signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
+            signals.append((signal, dense_g))
+        scale = self._replicated_clip_coefficient(signals)
+        for group, gs, (signal, dense_g) in zip(self.param_groups, self._groups, signals):
             self._update_group(group, gs, None, dense_g, scale, False)  # the dense tensors
-            if u is not None:
-                lr, wd = group["lr"], group["weight_decay"]
-                if cfg.dct_update == "sign":  # DeMo: p = (1 - lr wd) p - lr sign(u); scale-free, no clipping
-                    gs.flat_param.mul_(1.0 - lr * wd).add_(u.sign(), alpha=-lr)
-                else:
-                    beta1, beta2 = group["betas"]
-                    c = 1.0 - beta1**t if group["bias_correction"] else 1.0
-                    self._kernels.dense_adams_update(gs.flat_param, gs.momentum, u, None, grad_scale=scale, lr=lr,
-                                                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=wd,
-                                                     bias_correction=c)
+            if signal is not None:
+                self._dct_update(group, gs, signal, scale, t)
             meter.record_dense(self._dense_bytes(gs)[0])
         stats = step_comm_stats(meter, t, False)
         if cfg.log_comm:
             self.comm_stats = stats
+
+    def _dct_update(self, group, gs: _GroupState, signal: torch.Tensor, scale: float, t: int) -> None:
+        """Move the flat parameters by ``signal``, alike on every rank: "sign" (DeMo; scale-free, so no
+        clipping) and "adams" take the decoded mean u (N_pad,); "adams_coef" takes the mean coefficients
+        (numel,), runs AdamS there (its momentum in coefficients) and decodes the step."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if self.cfg.dct_update == "sign":  # p = (1 - lr wd) p - lr sign(u)
+            gs.flat_param.mul_(1.0 - lr * wd).add_(signal.sign(), alpha=-lr)
+            return
+        beta1, beta2 = group["betas"]
+        hyper = dict(grad_scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                     bias_correction=1.0 - beta1**t if group["bias_correction"] else 1.0)
+        if self.cfg.dct_update == "adams":
+            self._kernels.dense_adams_update(gs.flat_param, gs.momentum, signal, None, weight_decay=wd, **hyper)
+            return
+        # "adams_coef": AdamS on the rotated parameters; its step is delta = -lr m_hat / denom, formed on
+        # zeros (numel,) and decoded into the gradient buffer; the decoupled decay stays in real space
+        delta = torch.zeros_like(signal)  # (numel,) fp32
+        self._kernels.dense_adams_update(delta, gs.momentum, signal, None, weight_decay=0.0, **hyper)
+        step = decode_dct(gs.tiles, delta, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,)
+        gs.flat_param.mul_(1.0 - lr * wd).add_(step)
 
     def _clip_local(self) -> None:
         """``scape.clip_local``: scale this rank's own gradients (every param group, before error
@@ -337,16 +354,18 @@ class ScapeAdamS(Optimizer):
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
 
-    def _replicated_clip_coefficient(self, decoded) -> float:
-        """basis "dct": the ``gradient_clipping`` factor from the decoded means and dense gradients, which
-        every data-parallel rank holds alike (no data-parallel collective)."""
+    def _replicated_clip_coefficient(self, signals) -> float:
+        """basis "dct": the ``gradient_clipping`` factor from what each group's update consumes (the
+        decoded mean, or the mean coefficients: the same norm, Q being orthonormal, up to the tiles'
+        padding) and the dense gradients, which every data-parallel rank holds alike (no data-parallel
+        collective)."""
         if self.max_grad_norm <= 0:
             self.last_grad_norm = None
             return 1.0
         total = 0.0
-        for gs, (u, dense_g) in zip(self._groups, decoded):
-            if u is not None and not gs.norm_skip:
-                total += float(torch.linalg.vector_norm(u, dtype=torch.float64).square())
+        for gs, (signal, dense_g) in zip(self._groups, signals):
+            if signal is not None and not gs.norm_skip:
+                total += float(torch.linalg.vector_norm(signal, dtype=torch.float64).square())
             if dense_g is not None:
                 for p, g in zip(gs.dense_params, torch.split(dense_g, [p.numel() for p in gs.dense_params])):
                     if not getattr(p, "scape_norm_skip", False):

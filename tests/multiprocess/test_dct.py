@@ -113,7 +113,8 @@ def _worker_exchange(rank, world_size, tmp_path, steps, mask, update):
 
 
 @pytest.mark.parametrize("mask,update,world_size", [("per_rank", "sign", 2), ("shared", "sign", 2),
-                                                    ("per_rank", "adams", 4), ("shared", "adams", 4)])
+                                                    ("per_rank", "adams", 4), ("shared", "adams", 4),
+                                                    ("shared", "adams_coef", 2)])
 def test_dct_replicas_equal_error_feedback_exact_every_parameter_moves(tmp_path, mask, update, world_size):
     results = run_ranks(_worker_exchange, world_size, tmp_path, 8, mask, update)
     for worst, mismatches, moved, scale in results:
@@ -227,3 +228,49 @@ def test_dct_byte_meter_counts_exactly(tmp_path, mask):
         assert s["bytes_dense"] == dense == 786432
         # 1.5015% and 1.25%: 1.5 rho (per_rank) and 1.25 rho (shared), rho = 41 / 4096 here
         assert s["bytes_sent"] / s["bytes_dense"] <= (0.0151 if mask == "per_rank" else 0.0126)
+
+
+def _tile_dct(w: torch.Tensor, t: int, inverse: bool = False) -> torch.Tensor:
+    """scipy's orthonormal 2-D DCT-II (or its inverse) of every t x t tile of a matrix: the oracle."""
+    import scipy.fft
+
+    r, c = w.shape
+    blocks = w.detach().numpy().reshape(r // t, t, c // t, t)
+    fn = scipy.fft.idctn if inverse else scipy.fft.dctn
+    return torch.from_numpy(fn(blocks, axes=(1, 3), norm="ortho").reshape(r, c).copy())
+
+
+def _worker_adams_coef(rank, world_size, tmp_path, steps):
+    from scape_ds.optim import AdamS
+
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    model = make_mlp(seed=6).double()
+    opt = ScapeAdamS(model.parameters(), **hp, scape=dict(SCAPE, sparsity=0.0, dct_update="adams_coef"))
+    ref = make_mlp(seed=6).double()  # real-space weights of the reference; its matrices step as theta
+    mats = [p for p in ref.parameters() if p.dim() == 2]
+    theta = [torch.nn.Parameter(_tile_dct(p, 16)) for p in mats]  # the rotated weights
+    ref_opt = AdamS(theta + [p for p in ref.parameters() if p.dim() < 2], **hp)
+    worst = 0.0
+    for step in range(steps):
+        x, y = (t.double() for t in make_batch(step, rank))
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        ref.zero_grad()  # its matrices are not in ref_opt (theta is)
+        loss_fn(ref, x, y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+        for th, p in zip(theta, mats):  # rotate the gradient, step in coefficients, rotate back
+            th.grad = _tile_dct(p.grad, 16)
+        ref_opt.step()
+        with torch.no_grad():
+            for th, p in zip(theta, mats):
+                p.copy_(_tile_dct(th, 16, inverse=True))
+        worst = max(worst, float((flat_params(model) - flat_params(ref)).abs().max()))
+    return worst
+
+
+def test_dct_density_one_adams_on_coefficients_is_dense_adams_on_rotated_parameters(tmp_path):
+    diffs = run_ranks(_worker_adams_coef, 2, tmp_path, 10)
+    assert max(diffs) <= 1e-10, diffs  # fp64 round trips; a wrong rotation or update is off by ~1e-2
