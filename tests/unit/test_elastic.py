@@ -444,3 +444,11 @@ def test_update_rule_states_are_refused_in_one_line():
         st["scape"]["config"].update(update_rule="lazy", reselect_interval=50)
     with pytest.raises(ValueError, match="saved with scape.reselect_interval 50: elastic resume re-shards"):
         reshard_scape_state(states, 0, 1)
+
+
+def test_dct_basis_states_are_refused_in_one_line():
+    states = _old_states(2, steps=1)
+    for st in states:
+        st["scape"]["config"]["basis"] = "dct"
+    with pytest.raises(ValueError, match="saved with scape.basis 'dct': elastic resume re-shards coordinate"):
+        reshard_scape_state(states, 0, 1)

@@ -61,6 +61,7 @@ def test_masked_steps_touch_only_the_mask_and_decay_is_settled_at_the_dense_step
      "update_rule 'catchup' is not built for ZeRO stage 3"),
     (dict(zero_optimization={"stage": 3}, scape={"reselect_interval": 50}),
      "reselect_interval is not built for ZeRO stage 3"),
+    (dict(zero_optimization={"stage": 3}, scape={"basis": "dct"}), "basis 'dct' is not built for ZeRO stage 3"),
 ])
 def test_stage3_refusals(edit, message):
     with pytest.raises(ValueError, match=message):
