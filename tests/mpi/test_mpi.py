@@ -3,6 +3,7 @@ backend under MPI launch on 2 and 4 ranks, ``launch/pretrain.py`` under mpiexec,
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -77,7 +78,10 @@ def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
     assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in proc.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
-    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
+    # learned: the last 5 steps' mean loss 1.0 below the first 5 and below ln 256 (a byte model that
+    # learned nothing); 5.46 -> 4.06 measured, the same seeded run as the torch backend's
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < first - 1.0 and last < math.log(256) - 1.0, (first, last)
     assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])
 
 
