@@ -12,7 +12,9 @@ import torch
 
 from .conftest import N_GPUS, PYTHON, REPO, cuda_env
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# one launch a test, which _run allows 420 s (the first may build kernels): above pytest.ini's 300 s default
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.timeout(480)]
 
 CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "ds_configs", "*.json")))
 MODEL = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "128", "--eval-interval", "60",

@@ -17,7 +17,8 @@ Cases:
              (one mpiexec job for both: a launch costs more than the cases)
   kill       rank 1 dies at step 3 (SIGKILL); the others must not hang: under mpiexec the launcher
              ends the job, without it (BACKEND=torch, ranks from RANK/WORLD_SIZE) gloo's
-             timeout or its closed connection makes them raise
+             timeout or its closed connection makes them raise, and they print the lost-peer line
+             of scape_ds.faults and exit 3, as launch/pretrain.py does
 """
 from __future__ import annotations
 
@@ -149,17 +150,28 @@ def _hierarchy() -> dict:
 
 
 def case_kill() -> dict:
+    from scape_ds.faults import PeerWatch, is_peer_lost, report_lost_peer
+
     model = make_mlp(seed=3)
     opt = ScapeAdamS(model.parameters(), lr=1e-2, comm=build_communicator(os.environ.get("BACKEND", "mpi")),
                      scape=dict(sparsity=0.99, chunk_size=256, dense_numel_threshold=1024, mask_refresh_interval=4))
     rank = dist.get_rank()
-    for step in range(10):
-        if step == 3 and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        x, y = make_batch(step, rank)
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
+    watch = PeerWatch()
+    try:
+        for step in range(10):
+            watch.phase = f"step {step + 1}"
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = make_batch(step, rank)
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+    except Exception as e:  # as launch/pretrain.py (scape_ds.train.main): one line naming the lost rank, exit 3
+        if not is_peer_lost(e):
+            raise
+        print(f"mpi_worker: error: {report_lost_peer(e, watch, 60, None)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
     raise AssertionError("rank survived a dead peer for 10 steps")
 
 

@@ -3,6 +3,7 @@ backend under MPI launch on 2 and 4 ranks, ``launch/pretrain.py`` under mpiexec,
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -77,7 +78,10 @@ def test_pretrain_under_mpiexec_with_mpi_backend(tmp_path):
     assert "| 2 ranks: TP1 x PP1 x DP2 (GPT) |" in proc.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
-    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
+    # learned: the last 5 steps' mean loss 1.0 below the first 5 and below ln 256 (a byte model that
+    # learned nothing); 5.46 -> 4.06 measured, the same seeded run as the torch backend's
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < first - 1.0 and last < math.log(256) - 1.0, (first, last)
     assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])
 
 
@@ -97,10 +101,16 @@ def test_mpi_backend_refuses_a_torch_world_that_is_not_mpis(tmp_path):
 
 
 def test_killed_rank_ends_mpi_job_instead_of_hanging():
+    # under mpiexec the survivor blocks in an MPI collective; hydra ends the job when rank 1 dies and
+    # says so, with the dead rank's signal as the job's exit code (about 15 s measured on 2 busy cores)
     t0 = time.monotonic()
     proc = _mpirun(2, *WORKER, "kill", timeout=180, BACKEND="mpi")
-    assert proc.returncode != 0 and "RESULT" not in proc.stdout
-    assert time.monotonic() - t0 < 120
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9, (proc.returncode, out[-3000:])
+    assert "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)" in out, out[-3000:]
+    assert "RESULT" not in out and "rank survived a dead peer" not in out, out[-3000:]
+    assert elapsed < 90, elapsed
 
 
 def test_killed_rank_fails_torch_backend_peers_within_timeout(tmp_path):
@@ -117,7 +127,11 @@ def test_killed_rank_fails_torch_backend_peers_within_timeout(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    elapsed = time.monotonic() - t0
     assert procs[1].returncode == -9
-    assert procs[0].returncode != 0, err0[-2000:]
-    assert time.monotonic() - t0 < 200
-    assert "RESULT" not in err0
+    # the survivor raised from gloo (the closed connection, or its 60 s timeout), named the dead rank in
+    # scape_ds.faults's line and exited 3, instead of hanging or training on ("rank survived", exit 1)
+    assert procs[0].returncode == 3, (procs[0].returncode, err0[-2000:])
+    assert "mpi_worker: error: rank 0: lost contact with rank 1 (" in err0 and " in step 4 " in err0, err0[-2000:]
+    assert "rank survived a dead peer" not in err0
+    assert elapsed < 120, elapsed  # start-up, then at most the 60 s timeout and the 3 s probe (18 s measured)

@@ -57,10 +57,14 @@ def _worker_density_one(rank, world_size, tmp_path, steps, dtype, scape_extra=No
 
 @pytest.mark.parametrize("world_size,dtype", [(2, torch.float32), (2, torch.float64), (4, torch.float64)])
 def test_density_one_reproduces_dense_adams(tmp_path, world_size, dtype):
-    # fp32 on 4 ranks differs only by the summation order of gloo's reduce-scatter vs all-reduce
-    # (~1e-7 per step, amplified by 20 AdamS steps to ~1e-5); fp64 shows the algorithm is exact
+    # on 2 ranks gloo's reduce-scatter and the reference's all-reduce add the same two numbers: the 20
+    # steps are bitwise equal in fp32 and fp64. On 4 ranks the summation order differs, which fp64
+    # shows as rounding only (2.6e-14 measured; a wrong step is many orders larger)
     diffs = run_ranks(_worker_density_one, world_size, tmp_path, 20, dtype)
-    assert max(diffs) <= 1e-6, diffs
+    if world_size == 2:
+        assert diffs == [0.0, 0.0], diffs
+    else:
+        assert max(diffs) <= 1e-12, diffs
 
 
 # ---------------------------------------------------------------- error feedback conservation

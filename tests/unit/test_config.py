@@ -1,6 +1,7 @@
 """The "scape" config block: defaults, derived values and one clear error per bad field."""
 from __future__ import annotations
 
+import pydantic
 import pytest
 
 from scape_ds.config import ScapeConfig, parse_scape_config
@@ -77,7 +78,7 @@ def test_not_a_dict():
 
 
 def test_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         ScapeConfig().sparsity = 0.5  # type: ignore[misc]
 
 

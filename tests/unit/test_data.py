@@ -49,7 +49,14 @@ def test_split_sizes_and_disjointness(splits):
     assert len(val) == round(0.05 * n)
     # the held-out part is the end of the corpus, the train part the beginning, no overlap
     assert torch.equal(val[-1000:], corpus)
-    assert train.data_ptr() != val.data_ptr()
+    # each owns exactly its own memory (not views of one corpus buffer), and the two do not overlap
+    ts, vs = train.untyped_storage(), val.untyped_storage()
+    assert (ts.nbytes(), vs.nbytes()) == (len(train), len(val))
+    assert ts.data_ptr() + ts.nbytes() <= vs.data_ptr() or vs.data_ptr() + vs.nbytes() <= ts.data_ptr()
+    # and the contents are the corpus's two ends: train its first len(train) bytes, val the rest
+    full = load_corpus().encode("utf-8")
+    assert bytes(train[-1000:].tolist()) == full[len(train) - 1000:len(train)]
+    assert bytes(val[:1000].tolist()) == full[len(train):len(train) + 1000]
     decoded = ByteTokenizer().decode(train[:100])
     assert decoded.startswith("Genesis\nIn the beginning")
 

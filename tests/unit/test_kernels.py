@@ -142,11 +142,14 @@ def test_dispatch():
 
 
 # ---------------------------------------------------------------- Triton == torch
-triton_kernels = pytest.importorskip("scape_ds.kernels.triton_kernels")
+@pytest.fixture(scope="module")
+def triton_kernels():
+    """The Triton kernels; only the tests that take this skip without triton (the torch ones above run)."""
+    return pytest.importorskip("scape_ds.kernels.triton_kernels", exc_type=ImportError)  # its own ImportError
 
 
 @pytest.mark.parametrize("n,k,wire", [(1000, 37, torch.float32), (4097, 1025, torch.bfloat16), (3, 1, torch.float32)])
-def test_triton_ef_accumulate_pack(n, k, wire):
+def test_triton_ef_accumulate_pack(triton_kernels, n, k, wire):
     error, grad = torch.randn(n, generator=_gen(1)), torch.randn(n, generator=_gen(2))
     index = _random_index(n, k)
     outs = []
@@ -159,12 +162,12 @@ def test_triton_ef_accumulate_pack(n, k, wire):
 
 
 @pytest.mark.parametrize("C,kc,n_chunks", [(64, 1, 3), (64, 7, 5), (256, 3, 2), (1024, 10, 3), (64, 64, 2)])
-def test_triton_chunk_topk(C, kc, n_chunks):
+def test_triton_chunk_topk(triton_kernels, C, kc, n_chunks):
     scores = torch.randn(n_chunks * C, generator=_gen(C + kc))
     assert torch.equal(triton_kernels.chunk_topk(scores, C, kc), tk.chunk_topk(scores, C, kc))
 
 
-def test_triton_chunk_topk_ties_keep_lowest_offsets():
+def test_triton_chunk_topk_ties_keep_lowest_offsets(triton_kernels):
     scores = torch.zeros(64)
     scores[10] = 5.0
     got = triton_kernels.chunk_topk(scores, 64, 3)
@@ -172,7 +175,7 @@ def test_triton_chunk_topk_ties_keep_lowest_offsets():
 
 
 @pytest.mark.parametrize("S,k", [(512, 40), (3000, 1025), (8, 1)])
-def test_triton_masked_adams_update(S, k):
+def test_triton_masked_adams_update(triton_kernels, S, k):
     p, m = torch.randn(S, generator=_gen(4)), torch.randn(S, generator=_gen(5))
     index = _random_index(S, k, 6)
     g = torch.randn(k, generator=_gen(7))
@@ -186,7 +189,7 @@ def test_triton_masked_adams_update(S, k):
 
 
 @pytest.mark.parametrize("n,k", [(100, 7), (5000, 1500)])
-def test_triton_scatter_values(n, k):
+def test_triton_scatter_values(triton_kernels, n, k):
     index = _random_index(n, k)
     values = torch.randn(k, generator=_gen(3))
     a, b = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
@@ -196,14 +199,14 @@ def test_triton_scatter_values(n, k):
 
 
 @pytest.mark.parametrize("C,kc,n_chunks", [(64, 9, 3), (256, 64, 2), (1024, 200, 1), (64, 3, 2)])
-def test_triton_mask_encode_decode(C, kc, n_chunks):
+def test_triton_mask_encode_decode(triton_kernels, C, kc, n_chunks):
     off = random_offsets(n_chunks, C, kc, _gen(12))
     enc = triton_kernels.encode_mask(off, C, kc)
     assert torch.equal(enc, tk.encode_mask(off, C, kc))
     assert torch.equal(triton_kernels.decode_mask(enc, C, kc), off)
 
 
-def test_triton_chunk_topk_radix_bytes_equals_bitwise_with_ties_and_nan():
+def test_triton_chunk_topk_radix_bytes_equals_bitwise_with_ties_and_nan(triton_kernels):
     # values from a small set (many ties at the threshold), zeros, inf and NaN
     C = 256
     base = torch.randint(0, 6, (4 * C,), generator=_gen(25)).float() * 0.5
@@ -216,7 +219,7 @@ def test_triton_chunk_topk_radix_bytes_equals_bitwise_with_ties_and_nan():
         assert torch.equal(got[kc : 2 * kc].long(), torch.arange(kc)), kc
 
 
-def test_triton_chunk_topk_above_max_chunk_uses_torch_with_one_warning():
+def test_triton_chunk_topk_above_max_chunk_uses_torch_with_one_warning(triton_kernels):
     import warnings
 
     C, kc = 2 * triton_kernels.MAX_TRITON_CHUNK, 10
@@ -237,7 +240,7 @@ def test_triton_chunk_topk_above_max_chunk_uses_torch_with_one_warning():
 @pytest.mark.parametrize("S,grad_dtype,out_dtype,scale", [(3000, torch.float32, None, 1.0),
                                                           (1025, torch.bfloat16, torch.bfloat16, 0.5),
                                                           (8, torch.float32, torch.float32, 0.25)])
-def test_triton_dense_adams_update(S, grad_dtype, out_dtype, scale):
+def test_triton_dense_adams_update(triton_kernels, S, grad_dtype, out_dtype, scale):
     p, m = torch.randn(S, generator=_gen(28)), torch.randn(S, generator=_gen(29))
     g = torch.randn(S, generator=_gen(30)).to(grad_dtype)
     res = []
@@ -252,7 +255,7 @@ def test_triton_dense_adams_update(S, grad_dtype, out_dtype, scale):
         assert torch.equal(res[1][2], res[1][0].to(out_dtype))  # rounded to nearest-even, as torch
 
 
-def test_triton_ef_accumulate_pack_bf16_error_buffer():
+def test_triton_ef_accumulate_pack_bf16_error_buffer(triton_kernels):
     n, k = 1000, 37
     error, grad = torch.randn(n, generator=_gen(31)).bfloat16(), torch.randn(n, generator=_gen(32))
     index = _random_index(n, k)

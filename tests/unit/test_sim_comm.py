@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scape_ds.comm import Communicator, SimulatedCommunicator, collective_bytes
+from scape_ds.comm import Communicator, SimulatedCommunicator
 from scape_ds.optim import ScapeAdamS
 
 
@@ -26,13 +26,14 @@ def test_collectives_compute_the_identical_ranks_answer_and_meter_exact_bytes():
     comm.broadcast(x, 0, "bc")
     comm.barrier()
 
-    n = 6 * 4  # input bytes
-    assert dict(comm.meter.total) == {"ag": collective_bytes("all_gather", n, D),
-                                      "rs": collective_bytes("reduce_scatter", 4 * D * 3, D),
-                                      "ar": collective_bytes("all_reduce", n, D), "bc": 0}  # rank 1 is no root
+    # by hand, for D = 4 ranks and 6 fp32 values (24 bytes) per rank (ring algorithms):
+    # all-gather: its 24 bytes to each of the 3 others = 72; reduce-scatter of 12 values (48 bytes):
+    # 3 of its 4 segments of 12 bytes = 36; all-reduce of 24 bytes: reduce-scatter + all-gather of
+    # 3/4 of it each = 2 * 18 = 36; broadcast: only the root sends (the 24 bytes)
+    assert dict(comm.meter.total) == {"ag": 72, "rs": 36, "ar": 36, "bc": 0}  # rank 1 is no root
     root = SimulatedCommunicator(D, rank=0)
     root.broadcast(x, 0, "bc")
-    assert root.meter.total["bc"] == n
+    assert root.meter.total["bc"] == 24
 
 
 def test_scape_step_bytes_equal_the_closed_form():
@@ -43,9 +44,14 @@ def test_scape_step_bytes_equal_the_closed_form():
     opt = ScapeAdamS([p], lr=1e-3, comm=SimulatedCommunicator(D),
                      scape=dict(sparsity=0.9, chunk_size=C, mask_refresh_interval=T, dense_numel_threshold=1024))
     S, kc = p.numel() // D, opt.cfg.k_per_chunk
-    k = S // C * kc  # kept values per shard
-    sparse = collective_bytes("reduce_scatter", D * k * 4, D) + collective_bytes("all_gather", k * 4, D)
-    refresh = 2 * (D - 1) * S * 4 + (D - 1) * (S // C) * min(C // 8, 2 * kc)  # dense RS + AG, masks
+    assert (S, kc) == (2048, 26)  # 8192 / 4 values a shard, 8 chunks of 256; ceil(0.1 * 256) kept a chunk
+    # by hand: k = 8 * 26 = 208 kept values a shard. Sparse step: a reduce-scatter of the D packed
+    # shards (4 * 208 fp32 = 3328 bytes, 3/4 of it sent: 2496) and an all-gather of its 208 values
+    # (832 bytes to each of 3 ranks: 2496). Refresh: a dense reduce-scatter and all-gather of the
+    # 2048-value shards (2 * 3 * 2048 * 4 = 49152) and each chunk's mask to 3 ranks, as a 32-byte
+    # bitmap (cheaper than 26 two-byte offsets): 3 * 8 * 32 = 768
+    sparse = 2496 + 2496
+    refresh = 49152 + 768
     sent = []
     for _ in range(T + 2):
         p.grad = torch.randn(p.shape)

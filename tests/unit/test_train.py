@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 
@@ -53,7 +52,16 @@ def test_metrics_writer_jsonl_appends_on_resume_and_fills_tensorboard(tmp_path):
         w.write(dict(step=3, loss=1.2))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["val_loss"] == 1.7
-    assert os.listdir(tb)
+    # the event file holds the scalars at their steps (train/<key>, val/loss), not just some file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/step_time_s", "train/bytes_sent", "train/tokens_per_s",
+            "val/loss"} <= set(scalars), scalars
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.0), (2, 1.5)]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("val/loss")] == [(2, 1.7)]
     with MetricsWriter(str(path)) as w:  # a new run starts the file anew
         w.write(dict(step=1, loss=2.0))
     assert len(path.read_text().splitlines()) == 1

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from scape_ds.optim.adams import adams
 from scape_ds.optim.update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
 
@@ -55,5 +57,14 @@ def test_window_mean_divides_outside_the_mask_only():
     assert torch.equal(r, torch.tensor([1.0, 0.5, 0.75, 4.0, 1.25, 1.5, 1.75, 2.0]))
 
 
-def test_drift_coefficient_is_adams_step_for_a_zero_gradient():
-    assert drift_coefficient(0.01, 0.9, 0.95) == 0.01 * 0.9 / math.sqrt(0.95)
+@pytest.mark.parametrize("lr,beta1,beta2", [(0.01, 0.9, 0.95), (3e-4, 0.8, 0.999)])
+def test_drift_coefficient_is_adams_step_for_a_zero_gradient(lr, beta1, beta2):
+    """The oracle is one real AdamS step (scape_ds.optim.adams) with a zero gradient on a momentum
+    state of either sign and any size: every coordinate moves by the same amount against its sign."""
+    momentum = torch.tensor([1.0, -1.0, 3e-3, -250.0, 0.5], dtype=torch.float64)
+    param = torch.zeros(5, dtype=torch.float64)
+    adams([param], [torch.zeros(5, dtype=torch.float64)], [momentum.clone()], step=7, lr=lr, beta1=beta1,
+          beta2=beta2, eps=0.0, weight_decay=0.0, bias_correction=False)
+    step = -param * torch.sign(momentum)  # the distance moved, each against its momentum's sign
+    assert torch.allclose(step, torch.full((5,), drift_coefficient(lr, beta1, beta2), dtype=torch.float64),
+                          rtol=1e-12, atol=0), (step, drift_coefficient(lr, beta1, beta2))
