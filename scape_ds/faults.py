@@ -149,8 +149,18 @@ def probe_peers(rank: int, world_size: int, wait_s: float, store_addr: tuple[str
         found["answered"] = answered
 
     thread = threading.Thread(target=run, name="scape-probe-peers", daemon=True)
-    thread.start()
-    thread.join(wait_s + 0.5)
+    # the store client logs a failed call with a C++ warning and stack frames on stderr (fd 2), which
+    # the port check above misses when rank 0's port still accepts while its process dies: fd 2 goes
+    # to /dev/null for the probe (this is the error path; the one line comes after)
+    saved_fd, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        thread.start()
+        thread.join(wait_s + 0.5)
+    finally:
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(devnull)
     if "answered" not in found:
         return None
     return [r for r in range(world_size) if r not in found["answered"]]
