@@ -158,9 +158,9 @@ class ScapeConfig(BaseModel):
     of each tile from this step's error feedback, the offsets are all-gathered, and the union (padded
     to D * (kc // D) slots per tile) is one mask for every rank: its values are averaged by a packed
     reduce-scatter and all-gather, O(k) per rank whatever D. Measured at D = 2, sparsity 0.99: per_rank
-    0.996x dense AdamW at 2.29% of the bytes, shared 1.011x at 2.01%; per_rank's bytes grow as
-    0.75 D rho of dense, shared's stay at 1.25 rho, so per_rank (the default) passes a 3% budget at
-    D = 4 and shared is the choice for more ranks (docs/design.md, "Transform basis")."""
+    0.996x dense AdamW at 2.29% of the bytes, shared 1.011x at 2.01%; at D = 4, 1.005x at 3.78% and
+    1.017x at 2.01%. per_rank's bytes grow as 0.75 D rho of dense, shared's stay at 1.25 rho
+    (docs/design.md, "Transform basis"): per_rank (the default) for the loss, shared for the bytes."""
 
     dct_update: Literal["sign", "adams", "adams_coef"] = "sign"
     """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
