@@ -53,6 +53,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .config import basis_mismatch
 from .elastic import (
     load_resharded_state,
     load_resharded_zero3,
@@ -351,7 +352,8 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
                 scape_state = safe_load(scape_path)
             except ValueError as e:
                 problems.append(str(e))
-        mismatch = basis_mismatch(scape_state, opt.cfg) if scape_state is not None and not problems else ""
+        saved_cfg = ((scape_state or {}).get("scape") or {}).get("config") or {}
+        mismatch = basis_mismatch(saved_cfg, opt.cfg) if scape_state is not None and not problems else ""
         if mismatch:
             problems.append(f"{tag} was saved with {mismatch}: their optimizer states differ; resume with the "
                             f"saved settings")
@@ -392,21 +394,6 @@ _DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size",
 # settings that choose the masks (their number per chunk, their layout, when they change): a change
 # between save and load drops the saved masks and makes the first step a dense refresh
 _MASK_SETTINGS = ("sparsity", "chunk_size", "mask_refresh_interval")
-
-
-def basis_mismatch(scape_state: dict, cfg) -> str:
-    """``"scape.basis 'dct', this run has 'coordinate'"``: a setting of the transform basis in which the
-    saved ScapeAdamS state differs from ``cfg`` and that no re-layout converts (the basis; under basis
-    "dct" also ``dct_update``, whose momentum, and ``chunk_size``, whose tiles, the state holds); empty
-    if none does."""
-    saved = (scape_state.get("scape") or {}).get("config") or {}
-    keys = [("basis", "coordinate")]
-    if cfg.basis == "dct" and saved.get("basis", "coordinate") == "dct":
-        keys += [("dct_update", "sign"), ("chunk_size", 4096)]
-    for name, default in keys:
-        if saved.get(name, default) != getattr(cfg, name):
-            return f"scape.{name} {saved.get(name, default)!r}, this run has {getattr(cfg, name)!r}"
-    return ""
 
 
 def changed_settings(scape_state: dict, cfg) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-__all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled"]
+__all__ = ["ScapeConfig", "parse_scape_config", "zero_stage", "offload_enabled", "basis_mismatch"]
 
 
 class ScapeConfig(BaseModel):
@@ -349,6 +349,21 @@ def parse_scape_config(block: ScapeConfig | dict[str, Any] | None) -> ScapeConfi
         return ScapeConfig(**block)
     except ValidationError as err:
         raise ValueError(_format_error(err, "scape.")) from None
+
+
+def basis_mismatch(saved: dict, cfg: ScapeConfig) -> str:
+    """``"scape.basis 'dct', this run has 'coordinate'"``: a setting of the transform basis in which a
+    saved ScapeAdamS config (``state_dict()["scape"]["config"]``) differs from ``cfg`` and that no
+    re-layout converts (the basis; under basis "dct" also ``dct_update``, whose momentum, and
+    ``chunk_size``, whose tiles, the state holds); empty if none does. Other settings (sparsity, mask)
+    may change: dct masks are chosen every step."""
+    keys = [("basis", "coordinate")]
+    if cfg.basis == "dct" and saved.get("basis", "coordinate") == "dct":
+        keys += [("dct_update", "sign"), ("chunk_size", 4096)]
+    for name, default in keys:
+        if saved.get(name, default) != getattr(cfg, name):
+            return f"scape.{name} {saved.get(name, default)!r}, this run has {getattr(cfg, name)!r}"
+    return ""
 
 
 def zero_stage(ds_config: dict) -> int:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm import Communicator, build_dp_communicators, collective_bytes, collective_device
-from ..config import ScapeConfig, parse_scape_config
+from ..config import ScapeConfig, basis_mismatch, parse_scape_config
 from ..exchange.basis import TileLayout, dct_matrix
 from ..exchange.core import MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay, step_comm_stats
 from ..exchange.layout import FlatLayout, split_dense_sparse
@@ -326,20 +326,20 @@ class ScapeAdamS(Optimizer):
         """``scape.clip_local``: scale this rank's own gradients (every param group, before error
         feedback) so their global norm is at most ``clip_local``; the norm is summed over the other
         model-parallel ranks of this replica (``norm_group``), copies marked ``scape_norm_skip`` once."""
-        total = 0.0
-        grads = []
+        grads, counted = [], []
         for gs in self._groups:
             if gs.flat_grad is not None:
                 self._attach_grads(gs)
                 grads.append(gs.flat_grad)
                 if not gs.norm_skip:
-                    total += float(torch.linalg.vector_norm(gs.flat_grad, dtype=torch.float64).square())
+                    counted.append(gs.flat_grad)
             for p in gs.dense_params:
                 if p.grad is not None:
                     grads.append(p.grad)
                     if not getattr(p, "scape_norm_skip", False):
-                        total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64).square())
-        total = self._sum_over_norm_group(total)
+                        counted.append(p.grad)
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]
+        total = self._sum_over_norm_group(float(torch.stack(norms).square().sum()) if norms else 0.0)  # one sync
         scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
         if scale < 1.0:
             for g in grads:
@@ -366,10 +366,7 @@ class ScapeAdamS(Optimizer):
         for gs, (signal, dense_g) in zip(self._groups, signals):
             if signal is not None and not gs.norm_skip:
                 total += float(torch.linalg.vector_norm(signal, dtype=torch.float64).square())
-            if dense_g is not None:
-                for p, g in zip(gs.dense_params, torch.split(dense_g, [p.numel() for p in gs.dense_params])):
-                    if not getattr(p, "scape_norm_skip", False):
-                        total += float(g.double().square().sum())
+            total += _dense_square_norm(gs.dense_params, dense_g)
         norm = math.sqrt(self._sum_over_norm_group(total))
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
@@ -492,11 +489,7 @@ class ScapeAdamS(Optimizer):
                 # a reduction, no copy of the shard; a dense step's sum over ranks is divided here
                 norm = torch.linalg.vector_norm(sparse_g, dtype=torch.float64) / gs.grad_divisor
                 sharded += norm.square().to(sharded.device)
-            if dense_g is not None:
-                sizes = [p.numel() for p in gs.dense_params]
-                for p, g in zip(gs.dense_params, torch.split(dense_g, sizes)):
-                    if not getattr(p, "scape_norm_skip", False):
-                        replicated += float(g.double().square().sum())
+            replicated += _dense_square_norm(gs.dense_params, dense_g)
         self.comm.all_reduce(sharded, "norm_ar")
         self._node.all_reduce(sharded, "norm_ar")  # hierarchy "node": the other slices
         norm = math.sqrt(self._sum_over_norm_group(float(sharded) + replicated))
@@ -742,15 +735,10 @@ class ScapeAdamS(Optimizer):
         check_same_layout(sc["rank"], sc["world_size"], self.comm.rank, self.comm.world_size, "ScapeAdamS")
         check_same_layout(sc.get("node_rank", 0), sc.get("node_size", 1), self._node.rank, self._node.size,
                           "ScapeAdamS (node group)")
-        saved_cfg = sc.get("config", {})
-        keys = (("basis", "coordinate"),)
-        if self.cfg.basis == "dct":  # the momentum of "adams", the tiles of the error feedback
-            keys += (("dct_update", "sign"), ("chunk_size", 4096))
-        for key, default in keys:  # mask, sparsity, chunk_size... may change: dct masks are chosen every step
-            saved, now = saved_cfg.get(key, default), getattr(self.cfg, key)
-            if saved != now:
-                raise ValueError(f"checkpoint was saved with scape.{key} {saved!r}, this run has {now!r}: their "
-                                 f"optimizer states differ; resume with {key} {saved!r}")
+        mismatch = basis_mismatch(sc.get("config", {}), self.cfg)
+        if mismatch:
+            raise ValueError(f"checkpoint was saved with {mismatch}: their optimizer states differ; resume with "
+                             f"the saved settings")
         saved_rule = sc.get("config", {}).get("update_rule", "lazy")
         if saved_rule != self.cfg.update_rule:
             raise ValueError(f"checkpoint was saved with scape.update_rule {saved_rule!r}, this run has "
@@ -799,6 +787,16 @@ class ScapeAdamS(Optimizer):
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     """Optimizer state (master, momentum, error feedback) is fp32, or fp64 for fp64 parameters."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None) -> float:
+    """The squared norm of the dense tensors' reduced gradients ((M,), ``params`` in order), tensors
+    marked ``scape_norm_skip`` (counted on another model-parallel rank) left out."""
+    if dense_g is None:
+        return 0.0
+    grads = torch.split(dense_g, [p.numel() for p in params])
+    return sum(float(g.double().square().sum()) for p, g in zip(params, grads)
+               if not getattr(p, "scape_norm_skip", False))
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
