@@ -59,10 +59,12 @@ class ScapeReport(TrainerCallback):
     def __init__(self):
         self.bytes = {}  # global step -> (optimizer class, bytes sent, dense bytes)
         self.sent = self.dense = 0
+        self.scape = None  # the SCAPE optimizer, once a step has shown it
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps DeepSpeed's optimizer
         stats = inner.comm_stats if is_scape_optimizer(inner) else {}
+        self.scape = inner if is_scape_optimizer(inner) else self.scape
         sent, dense = int(stats.get("bytes_sent", 0)), int(stats.get("bytes_dense", 0))
         self.bytes[state.global_step] = (type(inner).__name__, sent, dense)
         self.sent, self.dense = self.sent + sent, self.dense + dense
@@ -113,8 +115,15 @@ def main() -> None:
         # and reads the whole dataset), so each rank draws windows of its own
         seed += dist.get_rank()
     dataset = ByteWindows(train, args.seq_len, n=args.max_steps * args.batch_size * targs.world_size, seed=seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[ScapeReport()])
+    report = ScapeReport()
+    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[report])
     trainer.train()
+    if report.scape is not None:
+        report.scape.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
+    # end together: a rank that exits while a peer still holds its gloo connections can abort
+    # that peer at interpreter exit ("terminate called without an active exception", exit -6)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -257,7 +257,44 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from .checkpoint import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
+    if use_scape:
+        end_at_exit(engine.optimizer)
     return engine, opt, loader, sched
+
+
+_AT_EXIT: list = []  # weak references to the SCAPE optimizers to settle at interpreter exit
+
+
+def end_at_exit(opt) -> None:
+    """At interpreter exit, wait for ``opt``'s collectives in flight, then destroy the default process
+    group if the script left it up.
+
+    Gloo's worker threads can still hold asynchronous work when the interpreter is torn down, and the
+    process then aborts (``terminate called without an active exception``, SIGABRT, exit -6) after it
+    trained to the end: upstream pytorch/pytorch#190489. Scripts that end with
+    ``dist.destroy_process_group()`` are safe; the Hugging Face Trainer and accelerate do not call it,
+    so SCAPE does it for them (a no-op once the script destroyed the group itself)."""
+    import atexit
+    import weakref
+
+    if not _AT_EXIT:
+        atexit.register(_end_now)
+    _AT_EXIT.append(weakref.ref(opt))
+
+
+def _end_now() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        for ref in _AT_EXIT:
+            opt = ref()
+            if opt is not None:
+                opt.synchronize()
+    finally:
+        _AT_EXIT.clear()
+        dist.destroy_process_group()
 
 
 def _say_defaults(scape_cfg) -> None:
