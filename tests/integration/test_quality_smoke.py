@@ -15,14 +15,14 @@ import math
 import os
 
 import pytest
-import quality  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
+from qualitybench import runner, runs  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
 
 
 @pytest.mark.timeout(900)
 def test_quality_smoke_scape90_matches_dense_adams_at_100_steps(tmp_path):
     opts = dict(steps=100, eval_interval=50)
-    res = quality.run(["adams", "scape90", "scape99"], str(tmp_path), **opts)
-    ids = {n: quality.run_id(n, quality.resolve_opts(**opts)) for n in ("adams", "scape90", "scape99")}
+    res = runner.run(["adams", "scape90", "scape99"], str(tmp_path), **opts)
+    ids = {n: runs.run_id(n, runs.resolve_opts(**opts)) for n in ("adams", "scape90", "scape99")}
     assert set(res) == set(ids.values())
     res = {n: res[rid] for n, rid in ids.items()}
     dense, s90, s99 = (res[n]["val_loss"] for n in ("adams", "scape90", "scape99"))
@@ -53,11 +53,11 @@ def test_quality_run_resumes_from_its_checkpoint_with_the_same_losses(tmp_path):
     then resumed; per-step losses, bytes, final validation loss and diagnostics are identical."""
     names = ["adamw", "scape99_T10"]
     opts = dict(steps=20, n_layer=1, n_embd=32, eval_interval=10, ckpt_interval=5, diag_window=10)
-    straight = quality.run(names, str(tmp_path / "straight"), **opts)
-    assert quality.run(names, str(tmp_path / "resumed"), stop_at=13, **opts) == {}
+    straight = runner.run(names, str(tmp_path / "straight"), **opts)
+    assert runner.run(names, str(tmp_path / "resumed"), stop_at=13, **opts) == {}
     assert sorted(os.listdir(tmp_path / "resumed" / "scape99_T10__L1_E32_steps20.ckpt")) == \
         ["global_step10", "global_step13", "global_step5", "latest"]
-    resumed = quality.run(names, str(tmp_path / "resumed"), **opts)
+    resumed = runner.run(names, str(tmp_path / "resumed"), **opts)
     assert set(straight) == set(resumed) == {"adamw__L1_E32_steps20", "scape99_T10__L1_E32_steps20"}
     for rid, a in straight.items():
         b = resumed[rid]

@@ -10,24 +10,25 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import quality  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
+from qualitybench import diagnostics, plots, runner, runs, tables  # noqa: E402  (bench/ is on pytest's pythonpath, pytest.ini)
 
 
 def test_groups_expand_in_order_without_repeats():
-    assert quality.expand_runs("comparison") == quality.COMPARISON
-    names = quality.expand_runs("adamw,comparison,scape99_T10_lr1e-3,lr1e-3")
-    assert names[: len(quality.COMPARISON)] == quality.COMPARISON
-    assert names.count("scape99_T10_lr1e-3") == 1 and names.index("scape99_T10_lr1e-3") == len(quality.COMPARISON)
-    assert set(quality.expand_runs("all")) == set(quality.RUNS)
-    assert len(quality.expand_runs("all")) == len(quality.RUNS)
-    named = set().union(*(v for g, v in quality.GROUPS.items() if g != "all"))
-    assert named == set(quality.RUNS), "a run that belongs to no group"
+    assert runs.expand_runs("comparison") == runs.COMPARISON
+    names = runs.expand_runs("adamw,comparison,scape99_T10_lr1e-3,lr1e-3")
+    assert names[: len(runs.COMPARISON)] == runs.COMPARISON
+    assert names.count("scape99_T10_lr1e-3") == 1 and names.index("scape99_T10_lr1e-3") == len(runs.COMPARISON)
+    assert set(runs.expand_runs("all")) == set(runs.RUNS)
+    assert len(runs.expand_runs("all")) == len(runs.RUNS)
+    named = set().union(*(v for g, v in runs.GROUPS.items() if g != "all"))
+    assert named == set(runs.RUNS), "a run that belongs to no group"
 
 
 def test_unknown_run_name_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown run 'adamx'"):
-        quality.expand_runs("adamw,adamx")
+        runs.expand_runs("adamw,adamx")
     with pytest.raises(ValueError, match="unknown run 'adamx'"):
-        quality.run(["adamw", "adamx"], str(tmp_path))
+        runner.run(["adamw", "adamx"], str(tmp_path))
     assert not os.listdir(tmp_path)
 
 
@@ -38,40 +39,40 @@ def test_generic_flags_and_train_iters_alias():
         (60, 7, 4, 192, 4, 6e-3, 0.1)
     assert quality.build_parser().parse_args(["--steps", "80"]).steps == 80
     assert quality.build_parser().parse_args([]).out == os.path.join(REPO, "runs", "quality")
-    assert quality.resolve_opts(train_iters=60)["steps"] == 60
+    assert runs.resolve_opts(train_iters=60)["steps"] == 60
 
 
 def test_bad_settings_are_refused():
     with pytest.raises(TypeError, match="unknown options"):
-        quality.resolve_opts(stepz=3)
+        runs.resolve_opts(stepz=3)
     with pytest.raises(ValueError, match="--n-embd 130 must be divisible"):
-        quality.resolve_opts(n_embd=130)
+        runs.resolve_opts(n_embd=130)
     with pytest.raises(ValueError, match="--lr must be > 0"):
-        quality.resolve_opts(lr=0.0)
+        runs.resolve_opts(lr=0.0)
     with pytest.raises(ValueError, match="--val-fraction"):
-        quality.resolve_opts(val_fraction=0.9)
+        runs.resolve_opts(val_fraction=0.9)
     with pytest.raises(ValueError, match="--stop-at"):
-        quality.run(["adamw"], "/nonexistent/never", stop_at=10, ckpt_interval=0)
+        runner.run(["adamw"], "/nonexistent/never", stop_at=10, ckpt_interval=0)
 
 
 def test_run_id_names_only_the_settings_that_differ():
-    d = quality.resolve_opts()
-    assert quality.run_id("adamw", d) == "adamw"
-    assert quality.run_id("adamw", dict(d, lr=3e-3)) == "adamw"  # its own lr
-    assert quality.run_id("adamw_lr1e-3", dict(d, lr=1e-3)) == "adamw_lr1e-3"
-    assert quality.run_id("scape99", dict(d, n_layer=4, n_embd=192, steps=2000, lr=6e-3)) == \
+    d = runs.resolve_opts()
+    assert runs.run_id("adamw", d) == "adamw"
+    assert runs.run_id("adamw", dict(d, lr=3e-3)) == "adamw"  # its own lr
+    assert runs.run_id("adamw_lr1e-3", dict(d, lr=1e-3)) == "adamw_lr1e-3"
+    assert runs.run_id("scape99", dict(d, n_layer=4, n_embd=192, steps=2000, lr=6e-3)) == \
         "scape99__L4_E192_steps2000_lr0.006"
-    assert quality.run_id("adams", dict(d, seed=7, ranks=4, val_fraction=0.1)) == "adams__s7_r4_vf0.1"
-    assert quality.rerun_command("scape99", dict(d, n_layer=4, lr=6e-3)) == \
+    assert runs.run_id("adams", dict(d, seed=7, ranks=4, val_fraction=0.1)) == "adams__s7_r4_vf0.1"
+    assert runs.rerun_command("scape99", dict(d, n_layer=4, lr=6e-3)) == \
         "python bench/quality.py --runs scape99 --n-layer 4 --lr 0.006"
 
 
 def test_config_lr_override_and_method_columns():
-    cfg = quality.make_config("scape99_lr1e-3", 300, 16, 50)
+    cfg = runs.make_config("scape99_lr1e-3", 300, 16, 50)
     assert cfg["optimizer"]["params"]["lr"] == 1e-3
-    assert quality.make_config("scape99_lr1e-3", 300, 16, 50, lr=6e-3)["optimizer"]["params"]["lr"] == 6e-3
+    assert runs.make_config("scape99_lr1e-3", 300, 16, 50, lr=6e-3)["optimizer"]["params"]["lr"] == 6e-3
     assert cfg["scheduler"]["params"]["total_num_steps"] == 300
-    methods = {n: quality.describe(n, quality.make_config(n, 10, 16, 5)) for n in ("adamw", "adams", "scape90",
+    methods = {n: runs.describe(n, runs.make_config(n, 10, 16, 5)) for n in ("adamw", "adams", "scape90",
                                                                                     "topk99", "randk99_lr1e-3")}
     assert {n: m["method"] for n, m in methods.items()} == {"adamw": "adamw", "adams": "adams", "scape90": "scape",
                                                              "topk99": "topk", "randk99_lr1e-3": "randk"}
@@ -82,11 +83,11 @@ def test_config_lr_override_and_method_columns():
 def test_initial_params_rebuild_the_model_without_touching_the_rng():
     from scape_ds.models import GPT, GPTConfig
 
-    opts = quality.resolve_opts(n_layer=1, n_embd=32)
+    opts = runs.resolve_opts(n_layer=1, n_embd=32)
     torch.manual_seed(99)
     before = torch.rand(3)
     torch.manual_seed(99)
-    p0 = quality.initial_params(opts)
+    p0 = runs.initial_params(opts)
     assert torch.equal(torch.rand(3), before)
     torch.manual_seed(opts["seed"])
     model = GPT(GPTConfig(vocab_size=256, seq_len=128, n_layer=1, n_head=4, n_embd=32))
@@ -106,7 +107,7 @@ def _step(engine, idx, delta=0.5):
 def test_diagnostics_count_moved_coordinates_per_window_and_resume_exactly():
     eng = _Engine(10)
     p0 = eng.module.weight.detach().reshape(-1).clone()
-    diag = quality.Diagnostics(p0, window=2, rank=0)
+    diag = diagnostics.Diagnostics(p0, window=2, rank=0)
     diag(1, eng)  # nothing moved (lr 0 at step 1)
     _step(eng, [0, 1, 2])
     diag(2, eng)
@@ -116,7 +117,7 @@ def test_diagnostics_count_moved_coordinates_per_window_and_resume_exactly():
     _step(eng, [0])
     diag(3, eng)
     state = json.loads(json.dumps({k: v for k, v in diag.state_dict(12.5).items() if k not in ("prev", "changed")}))
-    resumed = quality.Diagnostics(p0, window=2, rank=0)
+    resumed = diagnostics.Diagnostics(p0, window=2, rank=0)
     resumed.load_state_dict(dict(state, prev=diag.prev.clone(), changed=diag.changed.clone()))
     assert resumed.wall_before == 12.5
     _step(eng, [5, 6])
@@ -128,32 +129,32 @@ def test_diagnostics_count_moved_coordinates_per_window_and_resume_exactly():
                                    mean_abs_displacement=pytest.approx(3.0 / 10))
     s = diag.summary()
     assert s["frac_updated_last_window"] == pytest.approx(0.3) and s["mean_abs_displacement"] == pytest.approx(0.3)
-    other_rank = quality.Diagnostics(p0, window=2, rank=1)
+    other_rank = diagnostics.Diagnostics(p0, window=2, rank=1)
     other_rank(1, eng)
     assert other_rank.windows == [] and other_rank.window_steps == 0
 
 
 def test_resume_bookkeeping(tmp_path):
     ckpt = tmp_path / "r.ckpt"
-    assert quality._checkpoint_step(str(ckpt)) == 0
+    assert runner._checkpoint_step(str(ckpt)) == 0
     (ckpt / "global_step30").mkdir(parents=True)
     (ckpt / "latest").write_text("global_step30")
-    assert quality._checkpoint_step(str(ckpt)) == 0, "a checkpoint without the diagnostics' state is not resumable"
-    (ckpt / "global_step30" / quality.CKPT_STATE).write_bytes(b"x")
-    assert quality._checkpoint_step(str(ckpt)) == 30
+    assert runner._checkpoint_step(str(ckpt)) == 0, "a checkpoint without the diagnostics' state is not resumable"
+    (ckpt / "global_step30" / runs.CKPT_STATE).write_bytes(b"x")
+    assert runner._checkpoint_step(str(ckpt)) == 30
     metrics = tmp_path / "r.jsonl"
     metrics.write_text("".join(json.dumps(dict(step=s, loss=1.0)) + "\n" for s in range(1, 41)))
-    quality._keep_rows_up_to(str(metrics), 30)
+    runner._keep_rows_up_to(str(metrics), 30)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 31))
 
 
 def _legacy_run(d, name, val_loss, wall_s=10.0):
-    cfg = quality.make_config(name, 20, 16, 5)
-    opts = dict(quality.DEFAULTS, train_iters=20)
+    cfg = runs.make_config(name, 20, 16, 5)
+    opts = dict(runs.DEFAULTS, train_iters=20)
     del opts["steps"], opts["lr"], opts["ranks"], opts["val_fraction"], opts["ckpt_interval"], opts["diag_window"]
     (d / f"{name}.ds_config.json").write_text(json.dumps(cfg))
     (d / f"{name}.json").write_text(json.dumps(dict(steps=20, val_loss=val_loss, bytes_sent=10, bytes_dense=40,
-                                                    wall_s=wall_s, name=name, label=quality.RUNS[name][0], opts=opts)))
+                                                    wall_s=wall_s, name=name, label=runs.RUNS[name][0], opts=opts)))
     rows = [dict(step=s, loss=5.0 - s / 10) | (dict(val_loss=val_loss + (20 - s) / 100) if s % 10 == 0 else {})
             for s in range(1, 21)]
     (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -164,39 +165,39 @@ def test_legacy_import_and_tables(tmp_path):
     legacy.mkdir()
     _legacy_run(legacy, "adamw", 2.0)
     _legacy_run(legacy, "scape99", 2.5)
-    results = quality.import_legacy(str(legacy))
+    results = tables.import_legacy(str(legacy))
     assert set(results) == {"adamw__steps20", "scape99__steps20"}
-    rows = quality.write_tables(results, str(bench))
+    rows = tables.write_tables(results, str(bench))
     assert list(rows) == ["adamw__steps20", "scape99__steps20"]
-    with open(bench / quality.SUMMARY_CSV, newline="") as f:
+    with open(bench / runs.SUMMARY_CSV, newline="") as f:
         table = list(csv.DictReader(f))
-    assert list(table[0]) == quality.SUMMARY_COLUMNS
+    assert list(table[0]) == runs.SUMMARY_COLUMNS
     assert [(r["run"], r["method"], r["update_rule"], float(r["val_loss"]), float(r["bytes_frac"]), r["steps"])
             for r in table] == [("adamw__steps20", "adamw", "", 2.0, 0.25, "20"),
                                 ("scape99__steps20", "scape", "lazy", 2.5, 0.25, "20")]
     assert table[1]["command"] == "python bench/quality.py --runs comparison,sweep"
-    _, curves = quality.read_tables(str(bench))
+    _, curves = tables.read_tables(str(bench))
     assert curves["scape99__steps20"] == [(10, pytest.approx(2.6)), (20, pytest.approx(2.5))]
     # a new row with diagnostics, and the dense AdamS row it is compared with; same id replaces
     new = {"adams__steps20": dict(run="adams__steps20", method="adams", lr=3e-3, n_layer=2, n_embd=128, steps=20,
                                   seed=1234, ranks=2, val_fraction=0.05, val_loss=2.2, bytes_frac=1.0, wall_s=9.0,
                                   mean_abs_displacement=0.02, label="dense AdamS", curve=[(20, 2.2)]),
            "scape99__steps20": dict(results["scape99__steps20"], val_loss=2.4, mean_abs_displacement=0.005)}
-    rows = quality.write_tables(new, str(bench))
+    rows = tables.write_tables(new, str(bench))
     assert len(rows) == 3 and float(rows["scape99__steps20"]["val_loss"]) == 2.4
     assert float(rows["scape99__steps20"]["displacement_vs_adams"]) == pytest.approx(0.25)
     assert rows["adamw__steps20"]["displacement_vs_adams"] == ""
-    text = quality.table(rows)
+    text = tables.table(rows)
     assert "| scape99__steps20 | 2.4000 | 1.2000 | 25.00% |" in text
-    rows, curves = quality.read_tables(str(bench))
-    quality.plot(rows, curves, str(bench / quality.PLOT_PNG))
-    assert os.path.getsize(bench / quality.PLOT_PNG) > 0
-    assert not math.isnan(quality._num(rows["adams__steps20"]["mean_abs_displacement"]))
+    rows, curves = tables.read_tables(str(bench))
+    plots.plot(rows, curves, str(bench / runs.PLOT_PNG))
+    assert os.path.getsize(bench / runs.PLOT_PNG) > 0
+    assert not math.isnan(tables._num(rows["adams__steps20"]["mean_abs_displacement"]))
 
 
 def test_tracked_tables_cover_the_bundled_runs():
-    rows, curves = quality.read_tables(os.path.join(REPO, "bench"))
-    assert set(quality.RUNS) <= {r.split("__")[0] for r in rows}
+    rows, curves = tables.read_tables(os.path.join(REPO, "bench"))
+    assert set(runs.RUNS) <= {r.split("__")[0] for r in rows}
     for rid, r in rows.items():
         assert r["command"].startswith("python bench/quality.py"), rid
         assert curves.get(rid), rid
@@ -212,7 +213,7 @@ def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
     for rid, s in runs.items():
         (tmp_path / f"{rid}.json").write_text(json.dumps(s))
     (tmp_path / "x.ds_config.json").write_text("{}")
-    quality.update_displacement_ratios(str(tmp_path))
+    runner.update_displacement_ratios(str(tmp_path))
     ratio = {rid: json.loads((tmp_path / f"{rid}.json").read_text())["displacement_vs_adams"] for rid in runs}
     assert ratio == {"adams_lr1e-3__steps100": 1.0, "scape99_lr1e-3__steps100": 0.25, "scape99__steps100": ""}
 
@@ -233,14 +234,14 @@ def test_best_lr_table_and_plot(tmp_path):
             0.0278, 0.99),
         row("scape99__steps30", "SCAPE 0.99, T=100", "scape", 3e-3, 2.5, 0.0278, 0.99, dict(small, steps=30)),
     ])
-    groups = quality.best_by_lr(rows)
-    g = groups[quality._settings(rows["adamw__steps20"])]
+    groups = tables.best_by_lr(rows)
+    g = groups[tables._settings(rows["adamw__steps20"])]
     assert g["dense AdamW"][0]["run"] == "adamw_lr1e-3__steps20" and g["dense AdamW"][1] == [1e-3, 3e-3]
     assert g["SCAPE 0.99, T=100"][0]["run"] == "scape99__steps20_lr0.006"
-    lines = quality.best_table(rows).splitlines()[2:]
+    lines = tables.best_table(rows).splitlines()[2:]
     assert [line.split(" | ")[1] for line in lines] == [  # best first; the 30-step group has no AdamW row
         "dense AdamW", "SCAPE 0.99, T=100, masks re-chosen every 50 steps", "SCAPE 0.99, T=100"]
     assert lines[2].endswith("| SCAPE 0.99, T=100 | 0.006 (0.003, 0.006) | 2.2500 | 1.250x | 2.78% |")
     curves = {rid: [(10, r["val_loss"] + 0.5), (20, r["val_loss"])] for rid, r in rows.items()}
-    quality.plot_best(rows, curves, str(tmp_path / quality.BEST_PNG))
-    assert os.path.getsize(tmp_path / quality.BEST_PNG) > 0
+    plots.plot_best(rows, curves, str(tmp_path / runs.BEST_PNG))
+    assert os.path.getsize(tmp_path / runs.BEST_PNG) > 0

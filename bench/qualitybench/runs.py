@@ -1,0 +1,258 @@
+"""What a quality run is: its name in ``RUNS``, its settings (``DEFAULTS``), its id, its DeepSpeed config.
+
+A run is a name of ``RUNS`` (label, base config in ds_configs/, overrides of the ``"scape"`` block and
+of the optimizer params) plus the generic settings that differ from ``DEFAULTS``; ``run_id`` names
+them: ``adamw`` at the defaults, ``scape99__L4_E192_steps2000_lr0.006`` at 4 layers x 192, 2000 steps,
+lr 6e-3. Baselines from the papers (the DeMo recipe) are runs like any other: a config of the product.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (label, base config in ds_configs/, overrides of the "scape" block[, of the optimizer params])
+RUNS: dict[str, tuple] = {
+    "adamw": ("dense AdamW", "dense_adamw.json", {}),
+    "adams": ("dense AdamS", "dense_adams.json", {}),
+    "scape90": ("SCAPE 0.9, T=100", "scape.json", dict(sparsity=0.9, mask_refresh_interval=100)),
+    "scape99": ("SCAPE 0.99, T=100", "scape.json", dict(sparsity=0.99, mask_refresh_interval=100)),
+    "topk99": ("grad top-k + EF 0.99, T=100", "topk.json", dict(sparsity=0.99)),
+    "scape99_sparse": ("SCAPE 0.99, sparse refresh T=100", "scape.json", dict(dense_refresh=False)),
+    "scape99_T10": ("SCAPE 0.99, T=10", "scape.json", dict(mask_refresh_interval=10)),
+    "scape99_T50": ("SCAPE 0.99, T=50", "scape.json", dict(mask_refresh_interval=50)),
+    "scape99_T200": ("SCAPE 0.99, T=200", "scape.json", dict(mask_refresh_interval=200)),
+    "scape99_sparse_T1": ("SCAPE 0.99, sparse refresh T=1", "scape.json",
+                          dict(dense_refresh=False, mask_refresh_interval=1)),
+    "scape99_sparse_T10": ("SCAPE 0.99, sparse refresh T=10", "scape.json",
+                           dict(dense_refresh=False, mask_refresh_interval=10)),
+    # learning-rate check: AdamS's update is bounded near 1 per coordinate (sign-like), so it
+    # wants a smaller lr than AdamW; SCAPE at a sparse step moves only the masked coordinates
+    "adams_lr1e-3": ("dense AdamS, lr 1e-3", "dense_adams.json", {}, dict(lr=1e-3)),
+    "scape99_lr1e-3": ("SCAPE 0.99, T=100, lr 1e-3", "scape.json", {}, dict(lr=1e-3)),
+    "scape90_lr1e-3": ("SCAPE 0.9, T=100, lr 1e-3", "scape.json", dict(sparsity=0.9), dict(lr=1e-3)),
+    "adamw_lr1e-3": ("dense AdamW, lr 1e-3", "dense_adamw.json", {}, dict(lr=1e-3)),
+    "topk99_lr1e-3": ("grad top-k + EF 0.99, T=100, lr 1e-3", "topk.json", {}, dict(lr=1e-3)),
+    "scape99_T50_lr1e-3": ("SCAPE 0.99, T=50, lr 1e-3", "scape.json", dict(mask_refresh_interval=50), dict(lr=1e-3)),
+    # the refresh sweep again at lr 1e-3, where dense AdamS is healthy (it stalls at 3e-3), and random-k
+    "scape99_T10_lr1e-3": ("SCAPE 0.99, T=10, lr 1e-3", "scape.json", dict(mask_refresh_interval=10), dict(lr=1e-3)),
+    "scape99_T25_lr1e-3": ("SCAPE 0.99, T=25, lr 1e-3", "scape.json", dict(mask_refresh_interval=25), dict(lr=1e-3)),
+    "scape99_T200_lr1e-3": ("SCAPE 0.99, T=200, lr 1e-3", "scape.json", dict(mask_refresh_interval=200),
+                            dict(lr=1e-3)),
+    "scape99_sparse_T1_lr1e-3": ("SCAPE 0.99, sparse refresh T=1, lr 1e-3", "scape.json",
+                                 dict(dense_refresh=False, mask_refresh_interval=1), dict(lr=1e-3)),
+    "scape99_sparse_T10_lr1e-3": ("SCAPE 0.99, sparse refresh T=10, lr 1e-3", "scape.json",
+                                  dict(dense_refresh=False, mask_refresh_interval=10), dict(lr=1e-3)),
+    "randk99_lr1e-3": ("random-k + EF 0.99, T=100, lr 1e-3", "scape.json", dict(compressor="randk"), dict(lr=1e-3)),
+    # bytes spent on density instead of refreshes: about the bytes of 0.99 at T=25
+    "scape95_lr1e-3": ("SCAPE 0.95, T=100, lr 1e-3", "scape.json", dict(sparsity=0.95), dict(lr=1e-3)),
+    # higher lrs: SCAPE did better at 3e-3 than at 1e-3; does it keep improving, and does AdamW?
+    "adamw_lr6e-3": ("dense AdamW, lr 6e-3", "dense_adamw.json", {}, dict(lr=6e-3)),
+    "scape90_lr6e-3": ("SCAPE 0.9, T=100, lr 6e-3", "scape.json", dict(sparsity=0.9), dict(lr=6e-3)),
+    "scape99_lr6e-3": ("SCAPE 0.99, T=100, lr 6e-3", "scape.json", {}, dict(lr=6e-3)),
+    "scape90_lr1e-2": ("SCAPE 0.9, T=100, lr 1e-2", "scape.json", dict(sparsity=0.9), dict(lr=1e-2)),
+    "scape99_lr1e-2": ("SCAPE 0.99, T=100, lr 1e-2", "scape.json", {}, dict(lr=1e-2)),
+    "scape90_lr4.5e-3": ("SCAPE 0.9, T=100, lr 4.5e-3", "scape.json", dict(sparsity=0.9), dict(lr=4.5e-3)),
+    "scape99_lr4.5e-3": ("SCAPE 0.99, T=100, lr 4.5e-3", "scape.json", {}, dict(lr=4.5e-3)),
+    "scape99_T50_lr6e-3": ("SCAPE 0.99, T=50, lr 6e-3", "scape.json", dict(mask_refresh_interval=50), dict(lr=6e-3)),
+    # hierarchical SCAPE (dense inside a node of 2 ranks, sparse across nodes): run with --ranks 4 for
+    # 2 nodes x 2, next to scape99 at --ranks 4
+    "scape99_hier": ("SCAPE 0.99, T=100, hierarchy node (2 ranks per node)", "scape.json",
+                     dict(hierarchy="node", intra_node_size=2)),
+    # update rules (scape_ds/optim/update_rules.py): how coordinates outside the mask learn
+    "catchup99": ("SCAPE 0.99 catchup (gain 0.3), T=100", "scape.json", dict(update_rule="catchup")),
+    "catchup99_g0.1": ("SCAPE 0.99 catchup gain 0.1, T=100", "scape.json",
+                       dict(update_rule="catchup", catchup_gain=0.1)),
+    "catchup99_g0.03": ("SCAPE 0.99 catchup gain 0.03, T=100", "scape.json",
+                        dict(update_rule="catchup", catchup_gain=0.03)),
+    "catchup99_g0.01": ("SCAPE 0.99 catchup gain 0.01, T=100", "scape.json",
+                        dict(update_rule="catchup", catchup_gain=0.01)),
+    "drift99_K1": ("SCAPE 0.99 sign_drift K=1, T=100", "scape.json", dict(update_rule="sign_drift", drift_steps=1)),
+    "scape995_T50": ("SCAPE 0.995, T=50", "scape.json", dict(sparsity=0.995, mask_refresh_interval=50)),
+    "reselect99_R25": ("SCAPE 0.99, T=100, masks re-chosen every 25 steps", "scape.json", dict(reselect_interval=25)),
+    "reselect99_R50": ("SCAPE 0.99, T=100, masks re-chosen every 50 steps", "scape.json", dict(reselect_interval=50)),
+    "reselect99_R10": ("SCAPE 0.99, T=100, masks re-chosen every 10 steps", "scape.json", dict(reselect_interval=10)),
+    "reselect90_R50": ("SCAPE 0.9, T=100, masks re-chosen every 50 steps", "scape.json",
+                       dict(sparsity=0.9, reselect_interval=50)),
+    "wmean99": ("SCAPE 0.99 window_mean, T=100", "scape.json", dict(update_rule="window_mean")),
+    "drift99": ("SCAPE 0.99 sign_drift K=10, T=100", "scape.json", dict(update_rule="sign_drift")),
+    "drift99_K3": ("SCAPE 0.99 sign_drift K=3, T=100", "scape.json", dict(update_rule="sign_drift", drift_steps=3)),
+    # the best setting of each rule at 0.99, at 0.9
+    "catchup90_g0.01": ("SCAPE 0.9 catchup gain 0.01, T=100", "scape.json",
+                        dict(sparsity=0.9, update_rule="catchup", catchup_gain=0.01)),
+    "drift90_K1": ("SCAPE 0.9 sign_drift K=1, T=100", "scape.json",
+                   dict(sparsity=0.9, update_rule="sign_drift", drift_steps=1)),
+    "wmean90": ("SCAPE 0.9 window_mean, T=100", "scape.json", dict(sparsity=0.9, update_rule="window_mean")),
+    # basis "dct" (ds_configs/scape_dct.json: per_rank mask, sign update, clip_local 1, ef_decay 0.999)
+    "dct99": ("SCAPE dct 0.99, per-rank masks", "scape_dct.json", {}),
+    "dct99_shared": ("SCAPE dct 0.99, shared mask (nominated union)", "scape_dct.json", dict(mask="shared")),
+    "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
+    "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
+                     dict(sparsity=0.9, mask="shared")),
+    "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
+    "dct99_adams": ("SCAPE dct 0.99, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
+                    dict(dct_update="adams")),
+    "dct99_adamscoef": ("SCAPE dct 0.99, per-rank masks, AdamS on the coefficients", "scape_dct.json",
+                        dict(dct_update="adams_coef")),
+    # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
+    # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
+    "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
+}
+COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
+SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
+LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3", "adamw_lr1e-3", "topk99_lr1e-3", "scape99_T50_lr1e-3"]
+SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3", "scape99_sparse_T1_lr1e-3",
+               "scape99_sparse_T10_lr1e-3", "randk99_lr1e-3", "scape95_lr1e-3"]
+LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
+           "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
+HIER = ["scape99_hier"]
+DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
+UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
+GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "all": list(RUNS)}
+
+# Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
+# invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.
+DEFAULTS = dict(steps=1500, seed=1234, n_layer=2, n_embd=128, ranks=2, lr=None, val_fraction=0.05,
+                micro_batch=16, warmup=50, eval_interval=100, eval_iters=8, log_interval=250, seq_len=128,
+                n_head=4, timeout=300.0, ckpt_interval=250, diag_window=100)
+GENERIC = {"seed": "s", "n_layer": "L", "n_embd": "E", "steps": "steps", "ranks": "r", "lr": "lr",
+           "val_fraction": "vf"}
+SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", "mask_refresh_interval",
+                   "dense_refresh", "lr", "n_params", "n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction",
+                   "val_loss", "bytes_frac", "wall_s", "frac_updated_last_window", "mean_step_frac_last_window",
+                   "mean_abs_displacement", "displacement_vs_adams", "label", "git_rev", "torch", "deepspeed",
+                   "command"]
+CURVE_COLUMNS = ["run", "step", "val_loss"]
+SUMMARY_CSV, CURVES_CSV, PLOT_PNG = "quality_summary.csv", "quality_curves.csv", "quality_val_loss.png"
+BEST_PNG = "quality_best_lr.png"  # each configuration at its best lr, per size: the issue's targets
+BYTES_PNG = "quality_loss_vs_bytes.png"  # the plot of record: loss against bytes per step, each at its best lr
+CKPT_STATE = "quality_state.pt"  # the diagnostics' state, saved inside each checkpoint tag directory
+
+
+def expand_runs(spec: str) -> list[str]:
+    """``--runs``: comma-separated run names and names of ``GROUPS``, in order, without repeats. An
+    unknown name raises ``ValueError``."""
+    names: list[str] = []
+    for item in (x.strip() for x in spec.split(",")):
+        for n in GROUPS.get(item, [item] if item else []):
+            if n not in RUNS:
+                raise ValueError(f"unknown run {n!r}; choose from the groups {', '.join(GROUPS)} or {', '.join(RUNS)}")
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def resolve_opts(**opts) -> dict:
+    """``DEFAULTS`` updated by ``opts`` (``train_iters`` is an alias of ``steps``), checked."""
+    if "train_iters" in opts:
+        opts["steps"] = opts.pop("train_iters")
+    unknown = set(opts) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(DEFAULTS)}")
+    opts = {**DEFAULTS, **opts}
+    for key in ("steps", "seed", "n_layer", "n_embd", "ranks", "micro_batch", "eval_interval", "eval_iters",
+                "seq_len", "n_head", "diag_window"):
+        if not isinstance(opts[key], int) or opts[key] < (0 if key == "seed" else 1):
+            low = 0 if key == "seed" else 1
+            raise ValueError(f"--{key.replace('_', '-')} must be an int >= {low}, got {opts[key]!r}")
+    if opts["n_embd"] % opts["n_head"]:
+        raise ValueError(f"--n-embd {opts['n_embd']} must be divisible by the {opts['n_head']} heads")
+    if opts["lr"] is not None and not opts["lr"] > 0:
+        raise ValueError(f"--lr must be > 0, got {opts['lr']!r}")
+    if not 0 < opts["val_fraction"] <= 0.5:
+        raise ValueError(f"--val-fraction must be in (0, 0.5], got {opts['val_fraction']!r}")
+    if opts["ckpt_interval"] < 0:
+        raise ValueError(f"--ckpt-interval must be >= 0 (0: no checkpoints), got {opts['ckpt_interval']!r}")
+    return opts
+
+
+def run_lr(name: str, opts: dict | None = None) -> float:
+    """The learning rate run ``name`` trains at: ``opts["lr"]`` if set, else its override, else its base's."""
+    if opts and opts.get("lr") is not None:
+        return float(opts["lr"])
+    _, base, _, *opt_overrides = RUNS[name]
+    for o in opt_overrides:
+        if "lr" in o:
+            return o["lr"]
+    with open(os.path.join(REPO, "ds_configs", base), encoding="utf-8") as f:
+        return json.load(f)["optimizer"]["params"]["lr"]
+
+
+def run_id(name: str, opts: dict) -> str:
+    """``name`` plus the generic settings of ``opts`` that differ from ``DEFAULTS`` (lr: from the run's own)."""
+    parts = []
+    for key, short in GENERIC.items():
+        value = opts[key]
+        if key == "lr":
+            if value is None or float(value) == run_lr(name):
+                continue
+        elif value == DEFAULTS[key]:
+            continue
+        parts.append(f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
+    return name + ("__" + "_".join(parts) if parts else "")
+
+
+def make_config(name: str, steps: int, micro_batch: int, warmup: int, lr: float | None = None) -> dict:
+    """The DeepSpeed config of run ``name``: its ds_configs/ base, the shared schedule, its overrides, ``lr``."""
+    if name not in RUNS:
+        raise ValueError(f"unknown run {name!r}; choose from {', '.join(RUNS)}")
+    _, base, overrides, *opt_overrides = RUNS[name]
+    with open(os.path.join(REPO, "ds_configs", base), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}}
+    if overrides:
+        cfg["scape"] = {**cfg["scape"], **overrides}
+    for o in opt_overrides:
+        cfg["optimizer"]["params"].update(o)
+    if lr is not None:
+        cfg["optimizer"]["params"]["lr"] = float(lr)
+    return cfg
+
+
+def describe(name: str, cfg: dict) -> dict:
+    """The method columns of a run: method (adamw | adams | scape | topk | randk), update_rule, sparsity,
+    mask_refresh_interval, dense_refresh, lr."""
+    lr = cfg["optimizer"]["params"]["lr"]
+    if "scape" not in cfg:
+        method = "adamw" if cfg["optimizer"]["type"].lower() == "adamw" else "adams"
+        return dict(method=method, basis="", mask="", update_rule="", sparsity=0.0, mask_refresh_interval="",
+                    dense_refresh="", lr=lr)
+    sc = cfg["scape"]
+    if sc.get("basis") == "dct":  # masks every step: no refresh interval
+        method = "demo" if name == "demo" else "scape"
+        return dict(method=method, basis="dct", mask=sc.get("mask", "per_rank"),
+                    update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval="",
+                    dense_refresh="", lr=lr)
+    return dict(method=sc.get("compressor", "scape"), basis="coordinate", mask="shared",
+                update_rule=sc.get("update_rule", "lazy"), sparsity=sc["sparsity"],
+                mask_refresh_interval=sc["mask_refresh_interval"], dense_refresh=sc.get("dense_refresh", True), lr=lr)
+
+
+def rerun_command(name: str, opts: dict) -> str:
+    """The command that reruns the row of ``name`` at ``opts``."""
+    cmd = ["python bench/quality.py", f"--runs {name}"]
+    for key in GENERIC:
+        if opts[key] is not None and opts[key] != DEFAULTS[key]:
+            cmd.append(f"--{key.replace('_', '-')} {opts[key]}")
+    return " ".join(cmd)
+
+
+
+
+def initial_params(opts: dict):
+    """The flat fp32 parameters before step 1, rebuilt as the training loop builds the model
+    (``torch.manual_seed(seed)`` then ``GPT(...)``), without touching the global RNG: (N,) float32."""
+    import torch
+
+    from scape_ds.models import GPT, GPTConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(opts["seed"])
+        model = GPT(GPTConfig(vocab_size=256, seq_len=opts["seq_len"], n_layer=opts["n_layer"], n_head=opts["n_head"],
+                              n_embd=opts["n_embd"]))
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])  # (N,)
