@@ -28,22 +28,29 @@ from .runs import (
 )
 
 
+def _read_run(out_dir: str, rid: str) -> tuple[dict, list[dict]] | None:
+    """A finished run's summary ``<rid>.json`` and per-step rows ``<rid>.jsonl`` (None: no summary)."""
+    path = os.path.join(out_dir, f"{rid}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        summary = json.load(f)
+    with open(os.path.join(out_dir, f"{rid}.jsonl"), encoding="utf-8") as f:
+        return summary, [json.loads(line) for line in f if line.strip()]
+
+
 def load_results(run_ids: list[str], out_dir: str) -> dict[str, dict]:
     """Summaries of the finished runs among ``run_ids``, each with ``curve`` [(step, val_loss)] and ``losses``."""
     results = {}
     for rid in run_ids:
-        path = os.path.join(out_dir, f"{rid}.json")
-        if not os.path.exists(path):
+        found = _read_run(out_dir, rid)
+        if found is None:
             continue
-        with open(path, encoding="utf-8") as f:
-            res = json.load(f)
-        with open(os.path.join(out_dir, f"{rid}.jsonl"), encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        res, rows = found
         res["curve"] = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         res["losses"] = [r["loss"] for r in rows]
         results[rid] = res
     return results
-
 
 
 def import_legacy(legacy_dir: str) -> dict[str, dict]:
@@ -56,16 +63,13 @@ def import_legacy(legacy_dir: str) -> dict[str, dict]:
                 **{n: "python bench/quality.py --runs lr_high" for n in LR_HIGH}}
     results = {}
     for name in RUNS:
-        path = os.path.join(legacy_dir, f"{name}.json")
-        if not os.path.exists(path):
+        found = _read_run(legacy_dir, name)
+        if found is None:
             continue
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
+        old, rows = found
         opts = resolve_opts(**{k: v for k, v in old["opts"].items() if k in DEFAULTS or k == "train_iters"})
         with open(os.path.join(legacy_dir, f"{name}.ds_config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
-        with open(os.path.join(legacy_dir, f"{name}.jsonl"), encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
         rev = subprocess.run(["git", "-C", legacy_dir, "log", "-1", "--format=%h", "--diff-filter=AM", "--",
                               f"{name}.json"],
                              capture_output=True, text=True).stdout.split()
