@@ -347,7 +347,8 @@ def format_summary(summary: dict, losses: list[float]) -> str:
             f"{dense / 1e6:.1f} MB: {frac:.2%} ({saved})")
 
 
-def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None, stop=None) -> dict:
+def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None, stop=None,
+          on_start: Callable[[Any], None] | None = None) -> dict:
     """Train ``args.train_iters`` optimizer steps (from the checkpoint's step with ``--load``).
 
     Needs torch.distributed started (:func:`init_distributed`).
@@ -362,6 +363,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         stop: a :class:`scape_ds.stop.StopRequest` asked after every step (and before the first)
             whether any rank was asked to stop; if so the ranks save that step (with ``--save``)
             and raise :class:`scape_ds.stop.Stopped`. None: no check (no extra collective).
+        on_start: called as ``on_start(engine)`` on every rank once the engine is built (and loaded
+            with ``--load``), before the first step: a baseline that changes how the engine
+            exchanges (the quality bench's DiLoCo) sets itself up there.
 
     Raises:
         scape_ds.stop.Stopped: the ranks stopped on request (``stop``), after saving with ``--save``.
@@ -400,6 +404,8 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         start = int(client.get("step", engine.global_steps))
         if is_main:
             print(f"resumed from {os.path.join(resolve_load(args.load)[0], tag)} at step {start}", flush=True)
+    if on_start is not None:
+        on_start(engine)
     tokens_per_step = (engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
                        * setup.dp_size * args.seq_len)
     if is_main:

@@ -14,8 +14,20 @@ import socket
 import subprocess
 import time
 
+from .baselines import build_baseline
 from .diagnostics import Diagnostics
-from .runs import CKPT_STATE, REPO, RUNS, describe, initial_params, make_config, rerun_command, resolve_opts, run_id
+from .runs import (
+    BASELINES,
+    CKPT_STATE,
+    REPO,
+    RUNS,
+    describe,
+    initial_params,
+    make_config,
+    rerun_command,
+    resolve_opts,
+    run_id,
+)
 from .tables import add_displacement_ratios, load_results
 
 
@@ -48,10 +60,12 @@ def _keep_rows_up_to(path: str, step: int) -> None:
 
 
 class _Hook:
-    """The on_step of one segment: diagnostics, plus their state saved beside each checkpoint."""
+    """The on_step of one segment: a baseline's step (if any), diagnostics, and their state saved beside
+    each checkpoint."""
 
-    def __init__(self, diag: Diagnostics, ckpt: str | None, ckpt_interval: int, end: int, t0: float):
+    def __init__(self, diag: Diagnostics, ckpt: str | None, ckpt_interval: int, end: int, t0: float, baseline=None):
         self.diag, self.ckpt, self.ckpt_interval, self.end, self.t0 = diag, ckpt, ckpt_interval, end, t0
+        self.baseline = baseline
 
     def wall_s(self) -> float:
         return self.diag.wall_before + time.perf_counter() - self.t0
@@ -59,6 +73,8 @@ class _Hook:
     def __call__(self, step: int, engine) -> None:
         import torch
 
+        if self.baseline is not None:
+            self.baseline(step, engine)
         self.diag(step, engine)
         # the loop saves a checkpoint at these steps right after this call; the state goes into its tag dir
         if self.diag.rank == 0 and self.ckpt and (step % self.ckpt_interval == 0 or step == self.end):
@@ -75,7 +91,8 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
 
     rid = run_id(name, opts)
     cfg_path, metrics = os.path.join(out_dir, f"{rid}.ds_config.json"), os.path.join(out_dir, f"{rid}.jsonl")
-    ckpt = os.path.join(out_dir, f"{rid}.ckpt") if opts["ckpt_interval"] else None
+    baseline = build_baseline(BASELINES.get(name))  # no checkpoints: see baselines.py
+    ckpt = os.path.join(out_dir, f"{rid}.ckpt") if opts["ckpt_interval"] and baseline is None else None
     start = _checkpoint_step(ckpt) if ckpt else 0
     if rank == 0:
         cfg = make_config(name, opts["steps"], opts["micro_batch"], opts["warmup"], opts["lr"])
@@ -102,15 +119,16 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
         diag.load_state_dict(safe_load(os.path.join(ckpt, f"global_step{start}", CKPT_STATE)))
     if rank == 0:
         print(f"=== {rid}: {RUNS[name][0]}" + (f" (resumed at step {start})" if start else ""), flush=True)
-    hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter())
+    hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter(), baseline)
     if start < end:
-        pretrain.train(args, cfg, on_step=hook)
+        pretrain.train(args, cfg, on_step=hook, on_start=baseline.start if baseline is not None else None)
     else:
         hook.t0 = time.perf_counter()  # nothing left to train: the wall time is the checkpoint's
     if rank == 0 and end == opts["steps"]:
         if diag.window_steps:
             diag.close_window(end)
-        _write_summary(name, opts, cfg, metrics, diag, hook.wall_s(), os.path.join(out_dir, f"{rid}.json"))
+        _write_summary(name, opts, cfg, metrics, diag, hook.wall_s(), os.path.join(out_dir, f"{rid}.json"),
+                       baseline)
     dist.barrier()
     if rank == 0 and end == opts["steps"] and ckpt:
         shutil.rmtree(ckpt, ignore_errors=True)  # finished: the summary replaces it
@@ -133,11 +151,14 @@ def _versions() -> dict:
     return dict(git_rev=rev, torch=torch.__version__, deepspeed=deepspeed.__version__)
 
 
-def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnostics, wall_s: float, path: str):
+def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnostics, wall_s: float, path: str,
+                   baseline=None):
     with open(metrics, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, opts["steps"] + 1)), "per-step rows missing or repeated"
     sent, dense = sum(r["bytes_sent"] for r in rows), sum(r["bytes_dense"] for r in rows)
+    if baseline is not None:  # the loop counted the dense run's bytes; the baseline knows what it sent
+        sent = baseline.bytes_sent(rows)
     summary = dict(run=run_id(name, opts), name=name, label=RUNS[name][0], **describe(name, cfg),
                    n_params=int(diag.p0.numel()), **{k: opts[k] for k in ("n_layer", "n_embd", "steps", "seed", "ranks",
                                                                           "val_fraction")},

@@ -98,6 +98,14 @@ RUNS: dict[str, tuple] = {
     # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
     # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
     "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
+    # DiLoCo (arXiv 2311.08105): H local AdamW steps, then the outer Nesterov step (baselines.py)
+    "diloco_H30": ("DiLoCo H=30 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
+    "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
+}
+# runs that are not a config of the product alone: the loop calls a baseline object (baselines.py)
+BASELINES: dict[str, dict] = {
+    "diloco_H30": dict(kind="diloco", H=30),
+    "diloco_H100": dict(kind="diloco", H=100),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -108,9 +116,11 @@ LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 HIER = ["scape99_hier"]
 DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
+LOCAL_SGD = list(BASELINES)
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "all": list(RUNS)}
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "local_sgd": LOCAL_SGD,
+          "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.
@@ -215,9 +225,13 @@ def make_config(name: str, steps: int, micro_batch: int, warmup: int, lr: float 
 
 
 def describe(name: str, cfg: dict) -> dict:
-    """The method columns of a run: method (adamw | adams | scape | topk | randk), update_rule, sparsity,
-    mask_refresh_interval, dense_refresh, lr."""
+    """The method columns of a run: method (adamw | adams | scape | topk | randk | demo | diloco), basis,
+    mask, update_rule, sparsity, mask_refresh_interval (DiLoCo: H), dense_refresh, lr."""
     lr = cfg["optimizer"]["params"]["lr"]
+    if name in BASELINES:
+        spec = BASELINES[name]
+        return dict(method=spec["kind"], basis="", mask="", update_rule="", sparsity="",
+                    mask_refresh_interval=spec.get("H", ""), dense_refresh="", lr=lr)
     if "scape" not in cfg:
         method = "adamw" if cfg["optimizer"]["type"].lower() == "adamw" else "adams"
         return dict(method=method, basis="", mask="", update_rule="", sparsity=0.0, mask_refresh_interval="",
