@@ -48,8 +48,8 @@ Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``d
 screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). The best setting of each
 rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
 Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``demo``
-(DeMo's recipe as a config). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo over the
-dense AdamW run (qualitybench/baselines.py; these runs do not checkpoint).
+(DeMo's recipe as a config). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and
+``sparseloco_H30``, SparseLoCo, over the dense AdamW run (qualitybench/baselines.py; no checkpoints).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
 ``hier``, ``update_rules``, ``dct``, ``local_sgd``, ``all``.
 """

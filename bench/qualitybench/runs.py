@@ -101,11 +101,14 @@ RUNS: dict[str, tuple] = {
     # DiLoCo (arXiv 2311.08105): H local AdamW steps, then the outer Nesterov step (baselines.py)
     "diloco_H30": ("DiLoCo H=30 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
+    # SparseLoCo (arXiv 2508.15706): DiLoCo with top-64 of 4096 per chunk, 2-bit values, EF decay 0.95
+    "sparseloco_H30": ("SparseLoCo H=30 (top-64 of 4096, 2-bit, EF 0.95, outer lr 1)", "dense_adamw.json", {}),
 }
 # runs that are not a config of the product alone: the loop calls a baseline object (baselines.py)
 BASELINES: dict[str, dict] = {
     "diloco_H30": dict(kind="diloco", H=30),
     "diloco_H100": dict(kind="diloco", H=100),
+    "sparseloco_H30": dict(kind="sparseloco", H=30, k=64, chunk=4096, beta=0.95, outer_lr=1.0),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]

@@ -1,4 +1,4 @@
-"""The quality bench's DiLoCo baseline (bench/qualitybench/baselines.py) on 2 gloo ranks."""
+"""The quality bench's DiLoCo and SparseLoCo baselines (bench/qualitybench/baselines.py), on 2 gloo ranks."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -46,7 +46,7 @@ def _worker_diloco(rank, world_size, tmp_path, H, rounds):
     ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
     outer_ids, diffs = [], []
     for r in range(rounds):
-        tensors = [p for p in model.parameters()]
+        tensors = list(model.parameters())
         _local_steps(model, inner, rank, H, first=r * H)
         local = _flat(model)
         gathered = [torch.empty_like(local) for _ in range(world_size)]
@@ -77,6 +77,60 @@ def test_diloco_bytes_are_the_dense_all_reduce_at_outer_steps_only():
     assert isinstance(build_baseline(dict(kind="diloco", H=7)), DiLoCo)
     assert build_baseline(None) is None
     with pytest.raises(ValueError, match="unknown baseline kind"):
-        build_baseline(dict(kind="sparseloco"))
+        build_baseline(dict(kind="powersgd"))
     with pytest.raises(ValueError, match="H >= 1"):
         DiLoCo(H=0)
+
+
+def test_sparseloco_compress_sends_k_two_bit_values_per_chunk_and_keeps_the_rest():
+    from qualitybench.baselines import SparseLoCo
+
+    slc = SparseLoCo(H=1, k=4, chunk=16, beta=0.5)
+    slc.error = torch.zeros(48, dtype=torch.float64)  # 3 chunks; the model has 40 coordinates
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        delta = torch.randn(40, generator=gen, dtype=torch.float64)
+        before = slc.error.clone()
+        sent = slc.compress(delta)  # (40,)
+        accumulated = 0.5 * before
+        accumulated[:40] += delta
+        torch.testing.assert_close(torch.cat([sent, torch.zeros(8, dtype=torch.float64)]) + slc.error, accumulated,
+                                   rtol=0, atol=1e-14)  # sent + kept == accumulated
+        chunks = torch.cat([sent, torch.zeros(8, dtype=torch.float64)]).view(3, 16)
+        for c in range(3):
+            nz = chunks[c][chunks[c] != 0]
+            assert 0 < nz.numel() <= 4
+            scale = nz.abs().max() / 1.5
+            levels = torch.tensor([-1.5, -0.5, 0.5, 1.5], dtype=torch.float64) * scale
+            assert all(bool(torch.isclose(levels, v).any()) for v in nz), "a value off the 2-bit levels"
+    assert slc.payload_bytes() == 3 * (1 + 8 + 4)  # per chunk: 4 codes of 2 bits, 4 offsets of 16 bits, a scale
+
+
+def _worker_sparseloco(rank, world_size, tmp_path):
+    from qualitybench.baselines import SparseLoCo
+
+    model = _model(seed=0)
+    engine = SimpleNamespace(module=model, enable_backward_allreduce=True)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    slc = SparseLoCo(H=2, k=3, chunk=16, beta=0.9)
+    slc.start(engine)
+    outer = slc.outer.clone()
+    _local_steps(model, inner, rank, 2, first=0)
+    # what this rank will send, computed on a copy of its state
+    probe = SparseLoCo(H=2, k=3, chunk=16, beta=0.9)
+    probe.error = slc.error.clone()
+    mine = probe.compress(outer - _flat(model))
+    slc(1, engine)
+    assert torch.equal(slc.outer, outer), "step 1 is not an outer step"
+    slc(2, engine)
+    sent = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(sent, mine)
+    expected = outer - torch.stack(sent).sum(0) / world_size
+    return _flat(model), float((slc.outer - expected).abs().max()), torch.equal(slc.error, probe.error)
+
+
+def test_sparseloco_outer_step_applies_the_mean_message_on_every_rank(tmp_path):
+    (p0, diff0, kept0), (p1, diff1, kept1) = run_ranks(_worker_sparseloco, 2, tmp_path)
+    assert torch.equal(p0, p1), "replicas differ after an outer step"
+    assert max(diff0, diff1) < 1e-14
+    assert kept0 and kept1, "the accumulator after the outer step is not what compress kept"
