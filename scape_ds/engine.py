@@ -254,7 +254,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.zero_grad = engine.optimizer.zero_grad
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
-    from .checkpoint import safe_loading
+    from .checkpoint.files import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
     if use_scape:

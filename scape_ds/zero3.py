@@ -56,8 +56,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from .comm import TorchCommunicator
 from .config import ScapeConfig
-from .elastic import Zero3Layout
 from .exchange.core import owe_decay, settle_decay
+from .exchange.layout import Zero3Layout
 from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
 from .kernels import get_kernels
@@ -327,7 +327,7 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
 
 def zero3_layout(zopt: DeepSpeedZeroOptimizer_Stage3) -> Zero3Layout:
     """The ZeRO-3 layout of ``zopt`` (SCAPE's or DeepSpeed's own), for re-sharding a checkpoint
-    saved on another data-parallel size (:func:`scape_ds.elastic.reshard_zero3_state`)."""
+    saved on another data-parallel size (:func:`scape_ds.checkpoint.reshard.reshard_zero3_state`)."""
     flat = [p for group in zopt.fp16_groups for p in group]
     place = {id(p): i for i, p in enumerate(flat)}
     return Zero3Layout(numels=tuple(int(p.ds_numel) for p in flat),

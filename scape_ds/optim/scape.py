@@ -723,7 +723,7 @@ class ScapeAdamS(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size,
-        or one re-sharded for this rank by :mod:`scape_ds.elastic` (then the parameters are rebuilt
+        or one re-sharded for this rank by :mod:`scape_ds.checkpoint.reshard` (then the parameters are rebuilt
         from the loaded master shards, one all-gather, and the next step is a dense refresh).
 
         Raises:
