@@ -134,7 +134,8 @@ class ScapeAdamS(Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction))
         # user settings
-        self.cfg = parse_scape_config(scape)
+        # scape_ds.initialize hands over the block it parsed; a dict (or None) from a direct caller is parsed here
+        self.cfg = scape if isinstance(scape, ScapeConfig) else parse_scape_config(scape)
         if comm is None:
             comm, intra_comm = build_dp_communicators(self.cfg)
         if (intra_comm is not None) != (self.cfg.hierarchy == "node"):
