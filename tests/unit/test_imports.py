@@ -3,10 +3,12 @@
 Every ``.py`` file under ``scape_ds/`` is parsed (not imported) and every ``import`` of a scape_ds
 module, relative or absolute, at module level or inside a function, is an edge. ``from . import x``
 and ``from .pkg import name`` count as an edge to the submodule ``x`` / ``pkg.name`` when that is a
-module, else to the package. A package's ``__init__`` is a module of its own: importing
-``scape_ds.a.b`` runs ``scape_ds.a``'s ``__init__`` too, but an edge to a package's ``__init__`` that
-only re-exports its submodules would make every such package a cycle with its submodules, so the
-edge is the one the code names.
+module, else to the package. A package's ``__init__`` is a module of its own. Importing
+``scape_ds.a.b`` runs ``scape_ds.a``'s ``__init__`` first, so an import at module level (run when the
+importer is imported) is also an edge to each package above its target that does not hold the
+importer (inside ``scape_ds.a`` that ``__init__`` has already run). An import inside a function runs
+when every module is loaded, and is an edge to its target only: otherwise any package whose
+``__init__`` re-exports a module that a lower layer's function reaches would count as a cycle.
 """
 from __future__ import annotations
 
@@ -48,22 +50,38 @@ def import_graph(files: dict[str, str] | None = None) -> dict[str, set[str]]:
             tree = ast.parse(f.read(), path)
         is_package = os.path.basename(path) == "__init__.py"
         edges = set()
-        for node in ast.walk(tree):
+        for node, at_import in _imports(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 target = _resolve(module, is_package, node)
                 # from pkg import sub: the submodule when there is one, else pkg itself
                 names = [f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names]
-            else:
-                continue
             for name in names:
                 while name and name not in files:  # import scape_ds.a.b.attr -> the longest module prefix
                     name = name.rpartition(".")[0]
-                if name.startswith(PACKAGE) and name != module:
-                    edges.add(name)
+                if not name.startswith(PACKAGE):
+                    continue
+                edges.add(name)
+                parts = name.split(".")
+                for i in range(1, len(parts)) if at_import else ():  # the packages whose __init__ runs first
+                    package = ".".join(parts[:i])
+                    if not (module == package or module.startswith(package + ".")):
+                        edges.add(package)
+        edges.discard(module)
         graph[module] = edges
     return graph
+
+
+def _imports(tree: ast.AST, at_import: bool = True):
+    """Every import statement in ``tree`` with whether it runs when the module is imported (not
+    inside a function)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, at_import
+        else:
+            inner = at_import and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            yield from _imports(node, inner)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -129,6 +147,25 @@ def test_the_walker_sees_relative_absolute_and_function_level_imports(tmp_path):
     assert cycles(graph) == [(["scape_ds.a", "scape_ds.c", "scape_ds.sub.b"],
                               ["scape_ds.a", "scape_ds.sub.b", "scape_ds.c", "scape_ds.a"])]
     assert cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_a_module_level_import_runs_the_packages_init_first(tmp_path):
+    """``scape_ds.low`` importing ``scape_ds.pkg.bottom`` at module level runs ``scape_ds.pkg``'s
+    ``__init__``, which imports ``scape_ds.pkg.top``, which imports ``scape_ds.low``: a cycle. The same
+    import inside a function is not (everything is loaded by then); nor is a sibling's."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "pkg").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pkg" / "__init__.py").write_text("from .top import save\n")
+    (pkg / "pkg" / "top.py").write_text("from ..low import x\nfrom .bottom import y\n")
+    (pkg / "pkg" / "bottom.py").write_text("")
+    (pkg / "low.py").write_text("from .pkg.bottom import y\n")
+    graph = import_graph(module_files(str(pkg)))
+    assert graph["scape_ds.low"] == {"scape_ds.pkg", "scape_ds.pkg.bottom"}
+    assert graph["scape_ds.pkg.top"] == {"scape_ds.low", "scape_ds.pkg.bottom"}  # its own package: no edge
+    assert cycles(graph)[0][1] == ["scape_ds.low", "scape_ds.pkg", "scape_ds.pkg.top", "scape_ds.low"]
+    (pkg / "low.py").write_text("def f():\n    from .pkg.bottom import y\n")
+    assert cycles(import_graph(module_files(str(pkg)))) == []
 
 
 def test_scape_ds_has_no_import_cycle():
