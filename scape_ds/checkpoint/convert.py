@@ -37,8 +37,8 @@ def convert_checkpoint(load_dir: str, world_size: int, out_dir: str | None = Non
 
     Raises:
         ValueError: a bad ``world_size``, not a checkpoint, a file that fails the manifest check
-            (as :func:`load_checkpoint`), missing rank files, or a ZeRO-3 (re-sharded when loaded
-            instead) or tensor/pipeline-parallel checkpoint (not supported).
+            (as :func:`scape_ds.checkpoint.load_checkpoint`), missing rank files, or a ZeRO-3
+            (re-sharded when loaded instead) or tensor/pipeline-parallel checkpoint (not supported).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--to-dp must be an integer >= 1, got {world_size!r}")

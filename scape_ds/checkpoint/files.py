@@ -265,7 +265,8 @@ class _SafeLoading:
 
 def safe_loading(engine) -> None:
     """Make ``engine``'s checkpoint engine read every file with :func:`safe_load` (``scape_ds.initialize``
-    does this for SCAPE engines; :func:`load_checkpoint` for any engine). Saving is unchanged."""
+    does this for SCAPE engines; :func:`scape_ds.checkpoint.load_checkpoint` for any engine). Saving is
+    unchanged."""
     inner = getattr(engine, "checkpoint_engine", None)
     if inner is not None and not isinstance(inner, _SafeLoading):
         engine.checkpoint_engine = _SafeLoading(inner)

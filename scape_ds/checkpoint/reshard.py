@@ -362,7 +362,7 @@ def load_resharded_zero3(tag_dir: str, layout: Zero3Layout, rank: int, world_siz
     returns ``(new rank's optimizer state, rank 0's model states)``.
 
     Raises:
-        ValueError: as :func:`saved_zero3_dp_size` and :func:`reshard_zero3_state`, a missing
+        ValueError: as :func:`~scape_ds.checkpoint.files.saved_zero3_dp_size` and :func:`reshard_zero3_state`, a missing
             model-states file, parameters other than the model's, or frozen parameters (not supported).
     """
     old_size = saved_zero3_dp_size(tag_dir)
