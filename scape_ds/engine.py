@@ -9,7 +9,8 @@ the optimizer, which computes the global norm of the *reduced* gradient across s
 would clip each rank's local, unreduced gradient on this path).
 
 Steps of :func:`initialize`:
-  1. read the config (dict, path or ``args.deepspeed_config``), validate the ``"scape"`` block;
+  1. read the config (dict, path or ``args.deepspeed_config``), parse the ``"scape"`` block into a
+     :class:`~scape_ds.config.ScapeConfig` (the one parse: the optimizers and checks get that object);
   2. ``optimizer.type`` ``"ScapeAdamS"``: check the combination (stage, precision, offload), build
      the optimizer as a callable DeepSpeed calls once ``torch.distributed`` is up, on the
      data-parallel group (``mpu.get_data_parallel_group()`` when an mpu is given);
@@ -177,19 +178,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if stage > 0 and (stage3 or not use_scape):
         ds_cfg.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed's ZeRO wraps our AdamS
     build_as = contextlib.nullcontext()
+    # the "scape" block, parsed here once; everything below gets the ScapeConfig, not the dict
+    scape_cfg = parse_scape_config(cfg.get("scape")) if use_scape else None
     if stage3:  # path B: DeepSpeed's stage 3 with SCAPE's reduce-scatter (scape_ds/zero3.py)
         from .zero3 import Stage3AdamS, check_stage3_config, replica_zero_config, scape_stage3_class
 
-        scape_cfg = parse_scape_config(cfg.get("scape"))
-        check_stage3_config(cfg)
+        check_stage3_config(cfg, scape_cfg)
         if "scape" not in cfg:
             _say_defaults(scape_cfg)
-        if scape_cfg.compressor != "scape" or scape_cfg.comm_backend != "torch":
-            raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' "
-                             "in this version")
-        if scape_cfg.error_feedback_dtype != "fp32":
-            raise ValueError(f"scape.error_feedback_dtype {scape_cfg.error_feedback_dtype!r} is for ZeRO stage 0/1; "
-                             f"under ZeRO stage 3 it must be 'fp32'")
         if scape_cfg.param_exchange == "sparse_replica":
             ds_cfg["zero_optimization"] = replica_zero_config(ds_cfg["zero_optimization"])
         stage3_cls = scape_stage3_class(scape_cfg)
@@ -198,7 +194,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         def build_optimizer(params):
             return Stage3AdamS(params, **opt_kwargs)
     elif use_scape:
-        scape_cfg = parse_scape_config(cfg.get("scape"))
         _check_path_a(cfg)
         if "scape" not in cfg:
             _say_defaults(scape_cfg)
@@ -254,7 +249,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.zero_grad = engine.optimizer.zero_grad
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
-    from .checkpoint import safe_loading
+    from .checkpoint.files import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
     if use_scape:

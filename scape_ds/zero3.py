@@ -56,8 +56,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from .comm import TorchCommunicator
 from .config import ScapeConfig
-from .elastic import Zero3Layout
 from .exchange.core import owe_decay, settle_decay
+from .exchange.layout import Zero3Layout
 from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
 from .kernels import get_kernels
@@ -91,27 +91,31 @@ def check_deepspeed_internals() -> None:
                            f"missing {', '.join(missing)} (written against 0.19.8)")
 
 
-def check_stage3_config(cfg: dict) -> None:
-    """Refuse, with a message, stage-3 settings the SCAPE stage 3 does not run (:mod:`scape_ds.exchange.refused`)."""
+def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
+    """Refuse, with a message, stage-3 settings the SCAPE stage 3 does not run: DeepSpeed's
+    (:mod:`scape_ds.exchange.refused`, from the config dict ``cfg``) and SCAPE's (from ``scape``,
+    the parsed ``"scape"`` block)."""
     refused = refused_settings(cfg, 3)
     if refused:
         raise ValueError(refusal_message(refused, 3))
-    sc = cfg.get("scape") or {}
-    hierarchy = sc.get("hierarchy", "flat")
-    if hierarchy != "flat":
-        raise ValueError(f"scape.hierarchy {hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
+    if scape.hierarchy != "flat":
+        raise ValueError(f"scape.hierarchy {scape.hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS) for the hierarchical exchange, or hierarchy 'flat' under stage 3")
-    rule = sc.get("update_rule", "lazy")
-    if rule != "lazy":
-        raise ValueError(f"scape.update_rule {rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
+    if scape.update_rule != "lazy":
+        raise ValueError(f"scape.update_rule {scape.update_rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
-    if sc.get("basis", "coordinate") != "coordinate":
-        raise ValueError(f"scape.basis {sc['basis']!r} is not built for ZeRO stage 3 (its flat partitions cut weight "
+    if scape.basis != "coordinate":
+        raise ValueError(f"scape.basis {scape.basis!r} is not built for ZeRO stage 3 (its flat partitions cut weight "
                          f"matrices across ranks, so 2-D tiles would straddle them): use ZeRO stage 0/1 (ScapeAdamS), "
                          f"or basis 'coordinate' under stage 3")
-    if sc.get("reselect_interval", 0):
+    if scape.reselect_interval:
         raise ValueError("scape.reselect_interval is not built for ZeRO stage 3: use ZeRO stage 0/1 (ScapeAdamS), "
                          "or reselect_interval 0 under stage 3")
+    if scape.compressor != "scape" or scape.comm_backend != "torch":
+        raise ValueError("under ZeRO stage 3 SCAPE runs compressor 'scape' over comm_backend 'torch' in this version")
+    if scape.error_feedback_dtype != "fp32":
+        raise ValueError(f"scape.error_feedback_dtype {scape.error_feedback_dtype!r} is for ZeRO stage 0/1; "
+                         f"under ZeRO stage 3 it must be 'fp32'")
 
 
 _EVERYTHING = sys.maxsize
@@ -327,7 +331,7 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
 
 def zero3_layout(zopt: DeepSpeedZeroOptimizer_Stage3) -> Zero3Layout:
     """The ZeRO-3 layout of ``zopt`` (SCAPE's or DeepSpeed's own), for re-sharding a checkpoint
-    saved on another data-parallel size (:func:`scape_ds.elastic.reshard_zero3_state`)."""
+    saved on another data-parallel size (:func:`scape_ds.checkpoint.reshard.reshard_zero3_state`)."""
     flat = [p for group in zopt.fp16_groups for p in group]
     place = {id(p): i for i, p in enumerate(flat)}
     return Zero3Layout(numels=tuple(int(p.ds_numel) for p in flat),

@@ -1,5 +1,7 @@
 """Communicators of a data-parallel group, flat or split by node (``scape.hierarchy``).
 
+``build_communicator(backend, group)`` is one communicator, ``"torch"`` or ``"mpi"``, over ``group``.
+
 ``build_dp_communicators(cfg, group)`` returns ``(comm, intra)``: for ``hierarchy="flat"`` the
 communicator over the data-parallel group and ``None``; for ``"node"`` the communicator over the
 *cross-node* group of this rank's local rank l (rank l of every node, in node order) and the one
@@ -17,6 +19,9 @@ import os
 from typing import Sequence
 
 from .base import Communicator
+from .meter import ByteMeter
+from .mpi_comm import MPICommunicator, mpi_available
+from .torch_comm import TorchCommunicator
 
 __all__ = ["build_dp_communicators", "split_by_node", "LOCAL_SIZE_VARS"]
 
@@ -69,6 +74,39 @@ def _node_key(cfg, global_rank: int):
     return global_rank // int(local)
 
 
+def build_communicator(backend: str = "torch", group=None, meter: ByteMeter | None = None) -> Communicator:
+    """Return the communicator for ``backend`` ("torch" | "mpi") over the data-parallel ``group``.
+
+    For ``"mpi"``, ``group`` is the list of global ranks of the data-parallel group, a
+    torch.distributed group (its ranks are used), or ``None`` for MPI's world.
+    """
+    if backend == "torch":
+        return TorchCommunicator(group, meter)
+    if backend == "mpi":
+        return MPICommunicator(_group_ranks(group), meter)
+    raise ValueError(f"comm_backend must be 'torch' or 'mpi', got {backend!r}")
+
+
+def _group_ranks(group) -> list[int] | None:
+    """Global ranks of ``group`` (a list, a torch.distributed group, or None for the world), checked
+    against MPI's world when torch.distributed is also running."""
+    reason = mpi_available()
+    if reason:
+        raise ImportError(reason)
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    mpi_rank, mpi_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) != (mpi_rank, mpi_size):
+        raise ValueError(
+            f"comm_backend 'mpi': torch.distributed rank {dist.get_rank()} of {dist.get_world_size()} is MPI rank "
+            f"{mpi_rank} of {mpi_size}; start the job with mpiexec (mpiexec -n N python launch/pretrain.py ...)")
+    if group is None or isinstance(group, (list, tuple)):
+        return None if group is None else list(group)
+    return list(dist.get_process_group_ranks(group))
+
+
+
 def build_dp_communicators(cfg, group=None) -> tuple[Communicator, Communicator | None]:
     """``(comm, intra)`` for the data-parallel ``group`` (None: the world); see the module docstring.
 
@@ -76,8 +114,6 @@ def build_dp_communicators(cfg, group=None) -> tuple[Communicator, Communicator 
         ValueError: the data-parallel size is not a multiple of ``intra_node_size``, or nodes of
             different sizes.
     """
-    from . import build_communicator
-
     if cfg.hierarchy == "flat":
         return build_communicator(cfg.comm_backend, group), None
     import torch.distributed as dist

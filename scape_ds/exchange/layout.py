@@ -3,7 +3,9 @@
 The sparse parameters of one param group are laid end to end in one flat buffer of N elements,
 padded to N_pad = D * S where the shard size S is a multiple of the chunk size C. Data-parallel
 rank r owns the contiguous shard [r*S, (r+1)*S) of every flat buffer (parameters, gradients,
-error feedback), as a ZeRO-1 partition does.
+error feedback), as a ZeRO-1 partition does (:class:`FlatLayout`, path A). :class:`Zero3Layout`
+describes path B's: ZeRO-3's parameters in its flat order and sub-groups, as a checkpoint re-sharded
+for another data-parallel size needs them.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatLayout", "split_dense_sparse"]
+__all__ = ["FlatLayout", "Zero3Layout", "split_dense_sparse"]
 
 
 def split_dense_sparse(params: list[torch.Tensor], dense_numel_threshold: int) -> tuple[list, list]:
@@ -66,3 +68,22 @@ class FlatLayout:
     def shard_slice(self, rank: int) -> slice:
         """The flat range rank ``rank`` owns."""
         return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """Path B's sibling of :class:`FlatLayout`: what re-sharding needs of the loading engine's ZeRO-3
+    layout (built by :func:`scape_ds.zero3.zero3_layout`, read by :mod:`scape_ds.checkpoint.reshard`).
+
+    Attributes:
+        numels: every parameter's number of elements, in ZeRO-3's flat order (sub-group by sub-group,
+            each in its param group's order: the order of the checkpoint's ``param_shapes``).
+        sub_groups: the number of parameters of each sub-group (one fp32 flat partition each), in order.
+        param_group_of: the optimizer param group of each sub-group.
+        ds_order: for the i-th parameter in ds_id order (SCAPE's keys), its index in the flat order.
+    """
+
+    numels: tuple[int, ...]
+    sub_groups: tuple[int, ...]
+    param_group_of: tuple[int, ...]
+    ds_order: tuple[int, ...]

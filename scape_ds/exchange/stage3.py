@@ -224,7 +224,7 @@ class Stage3Exchange:
         self.masks = {ids[i]: v.to(device) for i, v in saved["masks"].items()}
         self._flat_index = self._replica_index = None
         self.step = saved["step"]
-        self.refresh_next = bool(saved.get("refresh_next", False))  # set by scape_ds.elastic
+        self.refresh_next = bool(saved.get("refresh_next", False))  # set by scape_ds.checkpoint.reshard
         if any(m.shape[-1] != self.k(p) for p in self.params if (m := self.masks.get(p.ds_id)) is not None):
             # saved at another sparsity: its masks have another k; the error feedback stays (one
             # gradient's size whatever the sparsity) and the next step, dense, chooses new masks

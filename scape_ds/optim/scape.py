@@ -134,7 +134,8 @@ class ScapeAdamS(Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction))
         # user settings
-        self.cfg = parse_scape_config(scape)
+        # scape_ds.initialize hands over the block it parsed; a dict (or None) from a direct caller is parsed here
+        self.cfg = scape if isinstance(scape, ScapeConfig) else parse_scape_config(scape)
         if comm is None:
             comm, intra_comm = build_dp_communicators(self.cfg)
         if (intra_comm is not None) != (self.cfg.hierarchy == "node"):
@@ -723,7 +724,7 @@ class ScapeAdamS(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size,
-        or one re-sharded for this rank by :mod:`scape_ds.elastic` (then the parameters are rebuilt
+        or one re-sharded for this rank by :mod:`scape_ds.checkpoint.reshard` (then the parameters are rebuilt
         from the loaded master shards, one all-gather, and the next step is a dense refresh).
 
         Raises:

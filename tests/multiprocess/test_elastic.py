@@ -197,7 +197,7 @@ def _check_decay_settled(loaded: list[torch.Tensor], saved: list[torch.Tensor], 
 
 def test_elastic_resume_4_to_2_to_4(tmp_path):
     from scape_ds.checkpoint import convert_checkpoint
-    from scape_ds.elastic import sum_in_rank_order
+    from scape_ds.checkpoint.reshard import sum_in_rank_order
 
     root = str(tmp_path / "ckpt")
     phases = []
@@ -245,7 +245,7 @@ def _check_zero3(phases):
     """ZeRO-3: every run resumes from the model it saved (SCAPE 0.99: with the decay owed outside the
     last mask settled), replicas equal, the error feedback sum kept, and at sparsity 0 the same run
     as DeepSpeed's dense ZeRO-3 with AdamS resumed the same way."""
-    from scape_ds.elastic import sum_in_rank_order
+    from scape_ds.checkpoint.reshard import sum_in_rank_order
 
     for phase in (1, 2):
         before, after = phases[phase - 1], phases[phase]

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from scape_ds.checkpoint import _check_contents, check_manifest, safe_load, write_manifest
+from scape_ds.checkpoint.files import check_contents, check_manifest, safe_load, write_manifest
 
 
 class _RunsCode:
@@ -47,7 +47,7 @@ def test_pickled_callable_is_refused_not_run(tmp_path):
     tag.mkdir()
     os.replace(path, tag / "evil.pt")
     write_manifest(str(tag))
-    problems = _check_contents(str(tag))
+    problems = check_contents(str(tag))
     assert len(problems) == 1 and "evil.pt" in problems[0] and "not plain data" in problems[0], problems
     assert not marker.exists()
 
@@ -64,7 +64,7 @@ def test_truncated_file_is_named_by_safe_load(tmp_path):
 
 def test_complete_tag_passes_the_manifest(tmp_path):
     tag = _tag(tmp_path)
-    assert check_manifest(str(tag)) == [] and _check_contents(str(tag)) == []
+    assert check_manifest(str(tag)) == [] and check_contents(str(tag)) == []
     assert not [n for n in os.listdir(tag) if ".tmp." in n]
 
 
@@ -79,7 +79,7 @@ def test_manifest_names_missing_extra_truncated_and_altered_files(tmp_path):
     altered[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     victim.write_bytes(bytes(altered))
     assert check_manifest(str(tag)) == []
-    (problem,) = _check_contents(str(tag))
+    (problem,) = check_contents(str(tag))
     assert str(victim) in problem and "altered" in problem, problem
     victim.unlink()
     (tag / "stray.pt").write_bytes(b"x")

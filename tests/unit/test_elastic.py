@@ -1,4 +1,4 @@
-"""scape_ds.elastic: path A state re-sharded from D to D' data-parallel ranks, in one process.
+"""scape_ds.checkpoint.reshard: path A state re-sharded from D to D' data-parallel ranks, in one process.
 
 Old states are real ``ScapeAdamS.state_dict()``s (each rank played by a SimulatedCommunicator, fp64
 parameters, three param groups, one without sparse tensors), with every rank's master, momentum and
@@ -10,23 +10,23 @@ import pytest
 import torch
 from torch import nn
 
-from scape_ds.checkpoint import check_manifest, convert_checkpoint, main, write_manifest
-from scape_ds.comm.sim import SimulatedCommunicator
-from scape_ds.elastic import (
-    Zero3Layout,
+from scape_ds.checkpoint import check_manifest, convert_checkpoint, write_manifest
+from scape_ds.checkpoint.convert import main
+from scape_ds.checkpoint.files import saved_dp_size, saved_zero3_dp_size
+from scape_ds.checkpoint.reshard import (
     load_resharded_zero3,
     read_scape_states,
     reshard_scape_state,
     reshard_scape_states,
     reshard_zero3_state,
-    saved_dp_size,
-    saved_zero3_dp_size,
     sum_in_rank_order,
     zero3_full_params,
-    zero3_piece,
     zero3_rank_partitions,
 )
+from scape_ds.comm.sim import SimulatedCommunicator
+from scape_ds.exchange.layout import Zero3Layout
 from scape_ds.exchange.masks import offsets_to_index
+from scape_ds.exchange.pieces import piece_numel
 from scape_ds.optim import ScapeAdamS
 
 SCAPE = dict(sparsity=0.9, chunk_size=16, dense_numel_threshold=32, mask_refresh_interval=3)
@@ -261,7 +261,7 @@ def _z3_states(world_size: int, scape: bool = True, debt: float = 1.0) -> tuple[
             error = {}
             for i, f in enumerate(Z3.ds_order):
                 n = Z3.numels[f]
-                P = zero3_piece(n, world_size)
+                P = piece_numel(n, world_size)
                 error[i] = torch.zeros(world_size * P, dtype=torch.float64)
                 error[i][:n] = torch.randn(n, generator=g, dtype=torch.float64)
             sd["scape"] = dict(step=5, rank=r, world_size=world_size, refresh_next=False, error=error,
@@ -290,7 +290,7 @@ def test_zero3_layout_is_the_one_zero_to_fp32_reads():
         for i, t in enumerate(full):
             assert torch.equal(theirs[f"p{i}"], t) and torch.equal(ours[i], t)
         for r in range(D):  # ZeRO-3's pieces: ceil(numel / D) each, zero padding on the last ranks
-            assert [f.numel() for f in flats[r]] == [sum(zero3_piece(Z3.numels[i], D) for i in ids)
+            assert [f.numel() for f in flats[r]] == [sum(piece_numel(Z3.numels[i], D) for i in ids)
                                                     for ids in ((0, 1), (2,), (3, 4))]
 
 
@@ -323,7 +323,7 @@ def test_zero3_error_feedback_sum_is_kept_to_the_bit(old, new):
         n = Z3.numels[f]
         old_sum = sum_in_rank_order([s["scape"]["error"][i][:n] for s in states])
         errors = [s["error"][i] for s in after]
-        assert all(e.dtype == torch.float64 and e.numel() == new * zero3_piece(n, new) for e in errors)
+        assert all(e.dtype == torch.float64 and e.numel() == new * piece_numel(n, new) for e in errors)
         assert torch.equal(sum_in_rank_order(errors)[:n], old_sum)  # bitwise, fp64
         assert torch.equal(errors[0][:n], old_sum) and not errors[0][n:].any()
         assert not any(e.any() for e in errors[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scape_ds.config import parse_scape_config
 from scape_ds.exchange.pieces import (
     flat_indices,
     k_per_piece,
@@ -62,10 +63,13 @@ def test_masked_steps_touch_only_the_mask_and_decay_is_settled_at_the_dense_step
     (dict(zero_optimization={"stage": 3}, scape={"reselect_interval": 50}),
      "reselect_interval is not built for ZeRO stage 3"),
     (dict(zero_optimization={"stage": 3}, scape={"basis": "dct"}), "basis 'dct' is not built for ZeRO stage 3"),
+    (dict(zero_optimization={"stage": 3}, scape={"compressor": "topk"}), "runs compressor 'scape' over comm_backend"),
+    (dict(zero_optimization={"stage": 3}, scape={"error_feedback_dtype": "bf16"}),
+     "error_feedback_dtype 'bf16' is for ZeRO stage 0/1"),
 ])
 def test_stage3_refusals(edit, message):
     with pytest.raises(ValueError, match=message):
-        check_stage3_config(edit)
+        check_stage3_config(edit, parse_scape_config(edit.get("scape")))
 
 
 def test_installed_deepspeed_has_the_private_names():

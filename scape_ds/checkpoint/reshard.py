@@ -1,6 +1,8 @@
 """Elastic resume: re-shard per-rank optimizer state from D data-parallel ranks to D'.
 
-Pure functions over state dicts (no process group), used by
+The middle of :mod:`scape_ds.checkpoint`: pure functions over state dicts and layouts (no process
+group; it imports the file format below it, never the engine or ZeRO-3: the loading engine's
+layout comes in as a :class:`~scape_ds.exchange.layout.Zero3Layout`), used by
 :func:`scape_ds.checkpoint.load_checkpoint` when the checkpoint was saved on another number of
 data-parallel ranks, and (path A) by ``python -m scape_ds.checkpoint convert <dir> --to-dp N``.
 docs/design.md, "Checkpoints", has the reasoning. Path B (ZeRO-3) is at the end of this module
@@ -34,22 +36,28 @@ state); loading reads every old rank's file.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import parse_scape_config
-from .exchange.core import settle_decay
-from .exchange.masks import offsets_to_index
+from ..config import parse_scape_config
+from ..exchange.core import settle_decay
+from ..exchange.layout import Zero3Layout
+from ..exchange.masks import offsets_to_index
+from ..exchange.pieces import piece_numel
+from .files import (
+    ZERO_MODEL_FILE,
+    ZERO_OPTIM_FILE,
+    safe_load,
+    saved_dp_size,
+    saved_zero3_dp_size,
+    scape_rank_files,
+    zero3_files,
+)
 
-__all__ = ["reshard_scape_state", "reshard_scape_states", "scape_rank_files", "saved_dp_size",
-           "read_scape_states", "load_resharded_state", "sum_in_rank_order", "Zero3Layout", "zero3_piece",
-           "zero3_full_params", "zero3_rank_partitions", "reshard_zero3_state", "saved_zero3_dp_size",
+__all__ = ["reshard_scape_state", "reshard_scape_states", "read_scape_states", "load_resharded_state",
+           "sum_in_rank_order", "zero3_full_params", "zero3_rank_partitions", "reshard_zero3_state",
            "load_resharded_zero3"]
-
-_RANK_FILE = re.compile(r"scape_dp_rank_(\d{5})(_global_rank_\d{5})?\.pt$")
 
 
 def sum_in_rank_order(buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -163,42 +171,6 @@ def _repad(flat: torch.Tensor, numel: int, padded: int) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------- files
-def scape_rank_files(tag_dir: str) -> dict[int, list[str]]:
-    """Data-parallel rank -> the SCAPE state files saved for it in ``tag_dir`` (several with
-    tensor or pipeline parallelism: one per model-parallel rank)."""
-    found: dict[int, list[str]] = {}
-    for name in sorted(os.listdir(tag_dir)):
-        m = _RANK_FILE.match(name)
-        if m:
-            found.setdefault(int(m.group(1)), []).append(os.path.join(tag_dir, name))
-    return found
-
-
-def saved_dp_size(tag_dir: str) -> int | None:
-    """The data-parallel size the SCAPE files in ``tag_dir`` were saved with (None: there are none).
-
-    Raises:
-        ValueError: the files of some data-parallel rank are missing.
-    """
-    return _rank_count(scape_rank_files(tag_dir), f"{tag_dir} has SCAPE state")
-
-
-def _rank_count(files: dict, what: str) -> int | None:
-    """The number of data-parallel ranks ``files`` (rank -> file(s)) were saved by (None: no files).
-
-    Raises:
-        ValueError: ``what`` (``"<dir> has SCAPE state"``...) for ranks up to some but not every rank.
-    """
-    if not files:
-        return None
-    size = max(files) + 1
-    missing = [r for r in range(size) if r not in files]
-    if missing:
-        raise ValueError(f"{what} for data-parallel ranks up to {size - 1} but none for rank(s) {missing}")
-    return size
-
-
 def read_scape_states(tag_dir: str) -> list[dict]:
     """Every old data-parallel rank's SCAPE state in ``tag_dir``, in rank order (read on the CPU).
 
@@ -209,14 +181,14 @@ def read_scape_states(tag_dir: str) -> list[dict]:
     files = scape_rank_files(tag_dir)
     old_size = saved_dp_size(tag_dir)
     if old_size is None:
-        if any(_ZERO_FILE.match(n) for n in os.listdir(tag_dir)):
+        if any(ZERO_OPTIM_FILE.match(n) for n in os.listdir(tag_dir)):
             raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint: convert re-shards stage 0/1 checkpoints only "
                              "(a ZeRO-3 checkpoint is re-sharded when it is loaded on the new number of ranks)")
         raise ValueError(f"{tag_dir} has no SCAPE state files (saved by another optimizer)")
     if any(len(paths) > 1 or "_global_rank_" in paths[0] for paths in files.values()):
         raise ValueError(f"{tag_dir} was saved with tensor or pipeline parallelism: elastic resume "
                          "supports data parallelism only")
-    return [_load(files[r][0]) for r in range(old_size)]
+    return [safe_load(files[r][0]) for r in range(old_size)]
 
 
 def load_resharded_state(tag_dir: str, rank: int, world_size: int, chunk_size: int | None = None) -> dict:
@@ -228,40 +200,7 @@ def load_resharded_state(tag_dir: str, rank: int, world_size: int, chunk_size: i
     return reshard_scape_state(read_scape_states(tag_dir), rank, world_size, chunk_size)
 
 
-def _load(path: str) -> dict:
-    from .checkpoint import safe_load  # checkpoint imports this module
-
-    return safe_load(path)
-
-
 # ---------------------------------------------------------------------- ZeRO-3 (path B)
-_ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_ZERO_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-
-
-@dataclass(frozen=True)
-class Zero3Layout:
-    """What re-sharding needs of the loading engine's ZeRO-3 layout (:func:`scape_ds.zero3.zero3_layout`).
-
-    Attributes:
-        numels: every parameter's number of elements, in ZeRO-3's flat order (sub-group by sub-group,
-            each in its param group's order: the order of the checkpoint's ``param_shapes``).
-        sub_groups: the number of parameters of each sub-group (one fp32 flat partition each), in order.
-        param_group_of: the optimizer param group of each sub-group.
-        ds_order: for the i-th parameter in ds_id order (SCAPE's keys), its index in the flat order.
-    """
-
-    numels: tuple[int, ...]
-    sub_groups: tuple[int, ...]
-    param_group_of: tuple[int, ...]
-    ds_order: tuple[int, ...]
-
-
-def zero3_piece(numel: int, world_size: int) -> int:
-    """ZeRO-3's piece of a parameter on each of ``world_size`` ranks: ``ceil(numel / world_size)``."""
-    return -(-numel // world_size)
-
-
 def zero3_full_params(flats: list[torch.Tensor], numels: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
     """Every parameter's full flat value from the old ranks' ZeRO-3 partitions.
 
@@ -280,7 +219,7 @@ def zero3_full_params(flats: list[torch.Tensor], numels: list[int] | tuple[int, 
         ValueError: a rank's partitions do not hold the pieces of these parameters at D ranks.
     """
     D = len(flats)
-    pieces = [zero3_piece(n, D) for n in numels]
+    pieces = [piece_numel(n, D) for n in numels]
     for r, flat in enumerate(flats):
         if flat.numel() != sum(pieces):
             raise ValueError(f"old rank {r}'s ZeRO-3 partitions hold {flat.numel()} elements; the model's "
@@ -297,7 +236,7 @@ def zero3_rank_partitions(full: list[torch.Tensor], sub_groups: tuple[int, ...] 
     for count in sub_groups:
         parts = []
         for t in full[i:i + count]:
-            P = zero3_piece(t.numel(), world_size)
+            P = piece_numel(t.numel(), world_size)
             parts.append(_repad(t, t.numel(), world_size * P)[rank * P:(rank + 1) * P])
         out.append(torch.cat(parts) if parts else torch.zeros(0))
         i += count
@@ -393,7 +332,7 @@ def _zero3_error(old: list[dict], layout: Zero3Layout, rank: int, world_size: in
             raise ValueError(f"the checkpoint has error feedback for parameter {i}; the model has "
                              f"{len(layout.ds_order)} parameters")
         n = layout.numels[layout.ds_order[i]]
-        padded = world_size * zero3_piece(n, world_size)
+        padded = world_size * piece_numel(n, world_size)
         dtype = old[0]["error"][i].dtype
         if rank == 0:
             out[i] = _repad(sum_in_rank_order([sc["error"][i][:n] for sc in old]).to(dtype), n, padded)
@@ -418,50 +357,27 @@ def _check_new_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"new rank {rank} is outside 0..{world_size - 1}")
 
 
-def _zero3_files(tag_dir: str) -> dict[int, str]:
-    """Old data-parallel rank -> its ZeRO-3 optimizer file in ``tag_dir``."""
-    found, mp = {}, set()
-    for name in sorted(os.listdir(tag_dir)):
-        m = _ZERO_FILE.match(name)
-        if m:
-            found[int(m.group(1))] = os.path.join(tag_dir, name)
-            mp.add(int(m.group(2)))
-    if mp - {0}:
-        raise ValueError(f"{tag_dir} was saved with tensor or pipeline parallelism: elastic resume "
-                         "supports data parallelism only")
-    return found
-
-
-def saved_zero3_dp_size(tag_dir: str) -> int | None:
-    """The data-parallel size a ZeRO-3 checkpoint in ``tag_dir`` was saved with (None: not ZeRO-3).
-
-    Raises:
-        ValueError: some rank's optimizer file is missing, or tensor/pipeline-parallel files.
-    """
-    return _rank_count(_zero3_files(tag_dir), f"{tag_dir} has ZeRO-3 optimizer files")
-
-
 def load_resharded_zero3(tag_dir: str, layout: Zero3Layout, rank: int, world_size: int) -> tuple[dict, dict]:
     """Read every old rank's ZeRO-3 optimizer file and old rank 0's model-states file in ``tag_dir``;
     returns ``(new rank's optimizer state, rank 0's model states)``.
 
     Raises:
-        ValueError: as :func:`saved_zero3_dp_size` and :func:`reshard_zero3_state`, a missing
+        ValueError: as :func:`~scape_ds.checkpoint.files.saved_zero3_dp_size` and :func:`reshard_zero3_state`, a missing
             model-states file, parameters other than the model's, or frozen parameters (not supported).
     """
     old_size = saved_zero3_dp_size(tag_dir)
     if old_size is None:
         raise ValueError(f"{tag_dir} has no ZeRO-3 optimizer files")
-    model_path = os.path.join(tag_dir, _ZERO_MODEL_FILE)
+    model_path = os.path.join(tag_dir, ZERO_MODEL_FILE)
     if not os.path.isfile(model_path):
-        raise ValueError(f"{tag_dir} has no {_ZERO_MODEL_FILE}")
-    model = _load(model_path)
+        raise ValueError(f"{tag_dir} has no {ZERO_MODEL_FILE}")
+    model = safe_load(model_path)
     if model.get("frozen_param_fragments"):
         raise ValueError(f"{tag_dir} has frozen parameters: elastic ZeRO-3 resume supports trainable parameters only")
     saved = [int(shape.numel()) for group in model.get("param_shapes") or [] for shape in group.values()]
     if saved != list(layout.numels):
         raise ValueError(f"{tag_dir} holds {len(saved)} parameters of {sum(saved)} elements, this model "
                          f"{len(layout.numels)} of {sum(layout.numels)} (or in another order)")
-    files = _zero3_files(tag_dir)
-    states = [_load(files[r])["optimizer_state_dict"] for r in range(old_size)]
+    files = zero3_files(tag_dir)
+    states = [safe_load(files[r])["optimizer_state_dict"] for r in range(old_size)]
     return reshard_zero3_state(states, layout, rank, world_size), model
