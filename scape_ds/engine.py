@@ -284,9 +284,9 @@ def route_checkpoints(engine) -> None:
 
     A load that does not ask for the optimizer state (``load_optimizer_states=False``,
     ``load_module_only``) goes to DeepSpeed unchanged; one that does, with a ``custom_load_fn`` or
-    without the scheduler, is refused. A save that cannot put
-    every rank's file in one folder every rank sees is refused at save time
-    (:func:`check_checkpoint_engine`).
+    without the scheduler, is refused. A save that cannot put every rank's file in one folder every
+    rank sees is refused at save time (:func:`check_checkpoint_engine`). The wrappers hold the
+    engine (a reference cycle, freed by the garbage collector, as DeepSpeed's module hooks are).
     """
     ds_save, ds_load = engine.save_checkpoint, engine.load_checkpoint
 

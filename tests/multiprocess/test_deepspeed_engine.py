@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -234,13 +235,23 @@ def _worker_engine_methods(rank, world_size, tmp_path, ckpt):
         message = None
     except ValueError as e:
         message = str(e)
+    # a checkpoint saved before issue 36 (DeepSpeed's files alone; each rank a copy of its own): refused
+    old = os.path.join(str(tmp_path), f"old{rank}")
+    os.makedirs(os.path.join(old, "global_step3"))
+    shutil.copy(os.path.join(ckpt, "global_step3", "mp_rank_00_model_states.pt"), os.path.join(old, "global_step3"))
+    shutil.copy(os.path.join(ckpt, "latest"), old)
+    try:
+        fresh.load_checkpoint(old)
+        old_refused = None
+    except ValueError as e:
+        old_refused = str(e)
     engine._config.use_node_local_storage = True  # a folder per node: refused when saving, on every rank
     try:
         engine.save_checkpoint(ckpt, tag="local")
         refused = None
     except ValueError as e:
         refused = str(e)
-    return "exclude_frozen_parameters" in signature, path, same, message, refused
+    return "exclude_frozen_parameters" in signature, path, same, message, refused, old_refused
 
 
 def test_deepspeeds_own_save_and_load_hold_every_ranks_state(tmp_path):
@@ -250,8 +261,9 @@ def test_deepspeeds_own_save_and_load_hold_every_ranks_state(tmp_path):
     tag_dir = os.path.join(ckpt, "global_step3")
     assert {"scape_dp_rank_00000.pt", "scape_dp_rank_00001.pt", "manifest.json"} <= set(os.listdir(tag_dir))
     assert open(os.path.join(ckpt, "latest")).read() == "global_step3"
-    for rank, (signature, path, same, message, refused) in enumerate(results):
+    for rank, (signature, path, same, message, refused, old_refused) in enumerate(results):
         assert signature and path == tag_dir
+        assert "has no manifest.json" in old_refused and "\n" not in old_refused, old_refused
         assert same, f"rank {rank}: state after load_checkpoint differs from the saved one"
         assert "use_node_local_storage" in refused and "\n" not in refused, refused
         assert not os.path.exists(os.path.join(ckpt, "local"))
