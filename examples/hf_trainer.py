@@ -2,8 +2,21 @@
 
 Commands (on CPU ``--num_gpus`` is the number of ranks; nothing is downloaded)::
 
-    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/hf_scape.json        # ZeRO stage 0/1
-    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_zero3.json  # SCAPE's ZeRO-3
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape.json
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_zero3.json
+
+Save and resume (the Trainer's ``save_strategy="steps"`` and ``resume_from_checkpoint``)::
+
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --save-steps 5 --output-dir runs/hf
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --resume runs/hf/checkpoint-5 \
+        --output-dir runs/hf
+
+(``--master_port``: any free port, so that the job runs beside another one; ZeRO stage 0/1 is the
+default config.) With ``--save-steps`` or ``--resume`` every rank prints a ``scape_state`` line at
+each save, after the resume's load and at the end: digests of its optimizer state (SCAPE's master
+and momentum shards, error feedback, masks, step) and parameters
+(:func:`scape_ds.integrations.state_digest`); a resume that restores exactly what was saved prints
+the same digests after its load as the first run printed at its save.
 
 The Trainer reaches DeepSpeed through accelerate, which calls ``deepspeed.initialize`` itself;
 ``scape_ds.enable()`` makes that call build SCAPE when the config asks for it. The config's
@@ -12,8 +25,9 @@ in from ``TrainingArguments`` before DeepSpeed sees the config.
 
 Steps: enable SCAPE; build the arguments (this starts torch.distributed); the model from a
 ``GPT2Config`` (``from_config``, so ZeRO-3 partitions it as it is built); the dataset of byte windows;
-train ``--max-steps`` steps. Rank 0 prints one ``scape_step {json}`` line per step (loss, optimizer,
-bytes SCAPE sent against the dense exchange) and a closing summary.
+train ``--max-steps`` steps (saving a checkpoint every ``--save-steps``, none by default; from
+``--resume``'s checkpoint when given). Rank 0 prints one ``scape_step {json}`` line per step (loss,
+optimizer, bytes SCAPE sent against the dense exchange) and a closing summary.
 """
 from __future__ import annotations
 
@@ -28,6 +42,7 @@ from transformers import TrainerCallback
 import scape_ds
 from scape_ds.data import build_datasets
 from scape_ds.engine import is_scape_optimizer
+from scape_ds.integrations import state_digest
 
 
 def _print_line(text: str) -> None:
@@ -83,6 +98,29 @@ class ScapeReport(TrainerCallback):
                   f"{self.dense / 1e6:.2f} MB ({self.sent / self.dense:.2%})", flush=True)
 
 
+class StateDigests(TrainerCallback):
+    """Every rank prints one ``scape_state {json}`` line (rank, global step, when, the digests of
+    :func:`state_digest`) at each save, after a resume's load (at train begin) and at the end."""
+
+    def __init__(self, resumed: bool):
+        self.resumed = resumed
+
+    def _print(self, when, state, model, optimizer):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps DeepSpeed's optimizer
+        record = dict(rank=dist.get_rank(), step=state.global_step, when=when, digest=state_digest(inner, model))
+        _print_line("scape_state " + json.dumps(record))
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.resumed:
+            self._print("loaded", state, model, optimizer)
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._print("saved", state, model, optimizer)
+
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._print("end", state, model, optimizer)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed", default="ds_configs/hf_scape.json", help="DeepSpeed JSON config")
@@ -93,7 +131,13 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--output-dir", default="runs/hf_trainer")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save-steps", type=int, default=0,
+                   help="save a checkpoint (checkpoint-<step> in --output-dir) every N steps; 0: save nothing")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="resume from this checkpoint folder (OUTPUT_DIR/checkpoint-<step>)")
     args = p.parse_args()
+    if args.save_steps < 0:
+        p.error(f"--save-steps must be >= 0, got {args.save_steps}")
 
     scape_ds.enable()  # before the Trainer builds its engine
     from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainingArguments
@@ -102,7 +146,8 @@ def main() -> None:
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=2,
         adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0,
-        logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
+        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        report_to="none", seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), disable_tqdm=True)
     # after TrainingArguments, so that under ZeRO-3 from_config builds the model partitioned (zero.Init)
     config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=128, n_layer=2, n_head=4,
@@ -116,8 +161,11 @@ def main() -> None:
         seed += dist.get_rank()
     dataset = ByteWindows(train, args.seq_len, n=args.max_steps * args.batch_size * targs.world_size, seed=seed)
     report = ScapeReport()
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[report])
-    trainer.train()
+    callbacks = [report]
+    if args.save_steps or args.resume:
+        callbacks.append(StateDigests(resumed=args.resume is not None))
+    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=args.resume)
     if report.scape is not None:
         report.scape.synchronize()  # a run that ends on a refresh step has its mask all-gather in flight
     # end together: a rank that exits while a peer still holds its gloo connections can abort

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import sys
@@ -31,9 +32,10 @@ from typing import Any
 from .config import parse_scape_config, zero_stage
 from .exchange.refused import refusal_message, refused_settings
 from .optim import AdamS, ScapeAdamS
+from .optim.lookup import is_scape_optimizer, is_scape_stage3, scape_optimizer
 
 __all__ = ["initialize", "read_ds_config", "check_block_names", "auto_keys", "scape_optimizer", "is_scape_optimizer",
-           "is_scape_stage3", "SCAPE_OPTIMIZERS"]
+           "is_scape_stage3", "route_checkpoints", "check_checkpoint_engine", "SCAPE_OPTIMIZERS"]
 
 SCAPE_OPTIMIZERS = ("ScapeAdamS", "AdamS")
 _ADAMS_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
@@ -249,12 +251,89 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.zero_grad = engine.optimizer.zero_grad
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
+        route_checkpoints(engine)  # every rank's SCAPE state in DeepSpeed's own save/load (the HF Trainer's)
     from .checkpoint.files import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
     if use_scape:
         end_at_exit(engine.optimizer)
     return engine, opt, loader, sched
+
+
+def route_checkpoints(engine) -> None:
+    """Path A: ``engine.save_checkpoint`` and ``engine.load_checkpoint`` (what the Hugging Face
+    Trainer's ``save_strategy`` and ``resume_from_checkpoint``, accelerate's ``save_state`` and
+    Lightning call) save and load every data-parallel rank's SCAPE state, through
+    :func:`scape_ds.checkpoint.save_checkpoint` and :func:`scape_ds.checkpoint.load_checkpoint`.
+
+    Why: the engine runs at DeepSpeed stage 0 here, where DeepSpeed keeps the optimizer state in its
+    model file, written by data-parallel rank 0 alone, and on load hands that one state to every
+    rank; but ScapeAdamS is sharded like ZeRO-1, each rank holding its own master and momentum
+    shard, error feedback and masks. Telling DeepSpeed the optimizer is sharded instead (its
+    ``zero_enabled``, so that it writes ``zero_pp_rank_*_optim_states.pt`` per rank) would also
+    switch on its ZeRO code in backward, step and clipping, which path A replaces. So the two
+    methods of this engine instance are wrapped (``functools.wraps``: ``inspect.signature`` shows
+    DeepSpeed's parameters, which the Trainer inspects; ``inspect.unwrap`` gives DeepSpeed's
+    methods back, which scape_ds.checkpoint calls). Saved checkpoints hold one
+    ``scape_dp_rank_<r>.pt`` per rank and a manifest, load as ``--load`` does (verified, re-sharded
+    for another data-parallel size) and resume exactly.
+
+    A load that does not ask for the optimizer state (``load_optimizer_states=False``,
+    ``load_module_only``) goes to DeepSpeed unchanged; one that does, with a ``custom_load_fn`` or
+    without the scheduler, is refused. A save that cannot put every rank's file in one folder every
+    rank sees is refused at save time (:func:`check_checkpoint_engine`). The wrappers hold the
+    engine (a reference cycle, freed by the garbage collector, as DeepSpeed's module hooks are).
+    """
+    ds_save, ds_load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(ds_save)
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        from . import checkpoint
+
+        check_checkpoint_engine(engine)
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default tag
+        checkpoint.save_checkpoint(engine, save_dir, client_state=client_state, tag=tag, save_latest=save_latest,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
+        return True
+
+    @functools.wraps(ds_load)
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        if not load_optimizer_states or load_module_only:  # no optimizer state wanted: DeepSpeed's own
+            return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
+                           load_optimizer_states=load_optimizer_states,
+                           load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                           custom_load_fn=custom_load_fn)
+        if custom_load_fn is not None or not load_lr_scheduler_states:
+            raise ValueError("load_checkpoint with ScapeAdamS's optimizer state loads the model, scheduler and every "
+                             "rank's SCAPE state together: custom_load_fn and load_lr_scheduler_states=False are "
+                             "not supported with it")
+        from . import checkpoint
+
+        path = load_dir if tag is None else os.path.join(load_dir, str(tag))
+        tag, client_state = checkpoint.load_checkpoint(engine, path, load_module_strict=load_module_strict)
+        return os.path.join(checkpoint.resolve_load(path)[0], tag), client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+def check_checkpoint_engine(engine) -> None:
+    """Refuse, at save time, a path-A checkpoint that could not hold every rank's SCAPE state in
+    one folder every rank sees: DeepSpeed's node-local storage (a folder per node) or another
+    checkpoint writer than its torch.save one (the fast, decoupled or DataStates writers stage the
+    files themselves, and SCAPE's files would bypass them).
+
+    Raises:
+        ValueError: one line naming the setting.
+    """
+    if engine.use_node_local_storage():
+        raise ValueError("checkpoint.use_node_local_storage is on: ScapeAdamS writes one state file per "
+                         "data-parallel rank into one folder every rank sees; turn it off to save")
+    writer = getattr(engine.checkpoint_engine, "_inner", engine.checkpoint_engine)  # scape_ds.checkpoint.safe_loading
+    if type(writer).__name__ != "TorchCheckpointEngine":
+        raise ValueError(f"DeepSpeed's checkpoint writer is {type(writer).__name__}: ScapeAdamS saves its per-rank "
+                         "state with torch.save next to DeepSpeed's files; remove checkpoint.writer / "
+                         "datastates from the config to save")
 
 
 _AT_EXIT: list = []  # weak references to the SCAPE optimizers to settle at interpreter exit
@@ -333,26 +412,3 @@ def _is_pipeline(model) -> bool:
     from deepspeed.pipe import PipelineModule
 
     return isinstance(model, PipelineModule)
-
-
-def scape_optimizer(engine):
-    """The engine's SCAPE optimizer (:class:`ScapeAdamS`, or the ZeRO-3 ``ScapeStage3``), or None.
-
-    Both have ``cfg``, ``comm``, ``comm_stats`` (``bytes_sent``, ``bytes_dense`` per step) and ``synchronize()``.
-    """
-    opt = getattr(engine, "optimizer", None)
-    return opt if is_scape_optimizer(opt) else None
-
-
-def is_scape_optimizer(opt) -> bool:
-    """Whether ``opt`` is a SCAPE optimizer (:class:`ScapeAdamS` or the ZeRO-3 ``ScapeStage3``)."""
-    return isinstance(opt, ScapeAdamS) or is_scape_stage3(opt)
-
-
-def is_scape_stage3(opt) -> bool:
-    """Whether ``opt`` is the ZeRO-3 ``ScapeStage3`` (imports DeepSpeed only when ``opt`` may be one)."""
-    if opt is None or isinstance(opt, ScapeAdamS):
-        return False
-    from .zero3 import ScapeStage3
-
-    return isinstance(opt, ScapeStage3)

@@ -22,12 +22,13 @@ change that message without replacing its code at import time, which we do not d
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 import threading
 from typing import Any
 
-__all__ = ["enable", "disable", "is_enabled", "routed_initialize", "wants_scape"]
+__all__ = ["enable", "disable", "is_enabled", "routed_initialize", "wants_scape", "state_digest"]
 
 _lock = threading.Lock()
 _state = threading.local()  # .depth: routed calls running on this thread
@@ -127,3 +128,37 @@ def disable() -> None:
         _replaced.clear()
         _original = None
 
+
+
+def state_digest(optimizer, module) -> dict[str, str]:
+    """What this rank holds of a run, as digests: ``optimizer.state_dict()`` leaf by leaf (its path,
+    ``"optimizer/scape/groups/0/error"``, to the first 16 hex digits of a sha256 of the tensor's dtype, shape and
+    bytes, or of a number's or string's repr) and ``"params/<name>"`` for each of ``module``'s
+    parameters (its local partition under ZeRO-3). Two runs with equal digests hold bitwise the
+    same state; examples/hf_trainer.py prints them at a save and after a resume's load.
+    """
+    import torch
+
+    out: dict[str, str] = {}
+
+    def walk(path: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[path] = h.hexdigest()[:16]
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(f"{path}/{key}", value[key])
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{path}/{i}", item)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[path] = hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+        else:  # an object DeepSpeed keeps in its state (its loss scaler): by its attributes, not its address
+            walk(f"{path}:{type(value).__name__}", dict(vars(value)) if hasattr(value, "__dict__") else repr(value))
+
+    walk("optimizer", optimizer.state_dict())
+    for name, p in module.named_parameters():
+        walk(f"params/{name}", getattr(p, "ds_tensor", p))
+    return out

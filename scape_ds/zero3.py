@@ -180,6 +180,20 @@ class Stage3AdamS(torch.optim.Optimizer):
                     state["last_index"] = index
         return None
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, keeping ``last_index`` (the last mask, int64) an index: torch
+        casts every non-``step`` state tensor to its parameter's dtype, which would make it fp32 (a
+        dense step after the resume then fails to index with it, and fp32 holds only indices below
+        2**24 exactly)."""
+        kept = {i: s["last_index"] for i, s in state_dict["state"].items() if "last_index" in s}
+        state = {i: {k: v for k, v in s.items() if k != "last_index"} for i, s in state_dict["state"].items()}
+        super().load_state_dict(dict(state_dict, state=state))
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]  # saved ids, in param order
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            if i in kept:
+                self.state[p]["last_index"] = kept[i].to(p.device)
+
 
 class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 with SCAPE's sparse, error-compensated gradient reduce-scatter (see the module docstring).

@@ -27,13 +27,14 @@ another data-parallel size under ZeRO-3.
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch.distributed as dist
 
 from ..config import basis_mismatch
-from ..engine import is_scape_stage3, scape_optimizer
 from ..faults import is_peer_lost
+from ..optim.lookup import is_scape_stage3, scape_optimizer
 from .files import (
     LATEST,
     atomic_torch_save,
@@ -70,18 +71,23 @@ class CheckpointSaveError(RuntimeError):
     """A save that failed on this rank (disk full, a write error); ``latest`` is unchanged."""
 
 
-def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None = None) -> str:
-    """Save the engine and every rank's SCAPE state as tag ``global_step<step>``; returns the tag dir.
+def save_checkpoint(engine, save_dir: str, step: int | None = None, client_state: dict | None = None, *,
+                    tag: str | None = None, save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    """Save the engine and every rank's SCAPE state as tag ``global_step<step>`` (or ``tag``); returns
+    the tag dir. ``save_latest=False`` leaves ``latest`` as it is; ``exclude_frozen_parameters`` goes
+    to DeepSpeed. A path-A engine's own ``engine.save_checkpoint`` comes here
+    (:func:`scape_ds.engine.route_checkpoints`); this calls DeepSpeed's, unwrapped.
 
     Raises:
         CheckpointSaveError: a file could not be written on this rank (one line: the tag, the cause,
             and the tag ``latest`` still names). The other ranks wait in the save's next collective
             until the process group's timeout.
     """
-    tag = f"global_step{step}"
+    tag = f"global_step{step}" if tag is None else str(tag)
     tag_dir = os.path.join(save_dir, tag)
     try:
-        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        inspect.unwrap(engine.save_checkpoint)(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+                                               exclude_frozen_parameters=exclude_frozen_parameters)
         opt = scape_optimizer(engine)
         if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
             os.makedirs(tag_dir, exist_ok=True)
@@ -89,7 +95,7 @@ def save_checkpoint(engine, save_dir: str, step: int, client_state: dict | None 
         if dist.is_initialized():
             dist.barrier()
         write_manifest(tag_dir)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
             atomic_write_text(os.path.join(save_dir, LATEST), tag)
     except (OSError, RuntimeError) as e:  # torch.save's zip writer raises RuntimeError on a full disk
         if is_peer_lost(e):  # gloo's timeouts are plain RuntimeErrors: scape_ds.faults reports them
@@ -127,9 +133,11 @@ def estimate_checkpoint_bytes(engine) -> int:
     return param_bytes + (d + 1) * per_rank
 
 
-def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
+def load_checkpoint(engine, load_dir: str, load_module_strict: bool = True) -> tuple[str, dict]:
     """Load the checkpoint ``latest`` names (or the tag ``DIR/TAG`` names, :func:`resolve_load`):
-    model, scheduler, client state and this rank's SCAPE state.
+    model, scheduler, client state and this rank's SCAPE state. A path-A engine's own
+    ``engine.load_checkpoint`` comes here (:func:`scape_ds.engine.route_checkpoints`); this calls
+    DeepSpeed's, unwrapped. ``load_module_strict`` goes to DeepSpeed.
 
     A checkpoint saved on another number of data-parallel ranks is re-sharded in memory
     (:mod:`scape_ds.checkpoint.reshard`; every rank reads every old rank's SCAPE file, under ZeRO-3 every old
@@ -210,8 +218,9 @@ def load_checkpoint(engine, load_dir: str) -> tuple[str, dict]:
     safe_loading(engine)  # DeepSpeed reads every file through its checkpoint engine
     if zero3 is not None:
         return tag, _load_zero3_resharded(engine, *zero3)
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=opt is None,
-                                                load_lr_scheduler_states=True)
+    path, client_state = inspect.unwrap(engine.load_checkpoint)(load_dir, tag=tag, load_optimizer_states=opt is None,
+                                                                load_lr_scheduler_states=True,
+                                                                load_module_strict=load_module_strict)
     if path is None:
         raise ValueError(f"--load {given}: DeepSpeed found no model state in {tag}")
     if opt is not None:

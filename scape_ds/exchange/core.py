@@ -125,8 +125,18 @@ def check_same_layout(saved_rank: int, saved_world_size: int, rank: int, world_s
     """Refuse a sharded state saved on another data-parallel rank or world size.
 
     Raises:
-        ValueError: naming both layouts.
+        ValueError: naming both layouts and what differs: the world size (resume on the saved size,
+            or re-shard), or, at the same size, the rank (the checkpoint holds another rank's shard
+            where this rank needs its own: one state for every rank, such as DeepSpeed's stage-0
+            optimizer entry, which data-parallel rank 0 alone writes).
     """
-    if (saved_rank, saved_world_size) != (rank, world_size):
-        raise ValueError(f"{what} state of rank {saved_rank}/{saved_world_size} cannot load on rank "
-                         f"{rank}/{world_size}: resume with the same data-parallel size")
+    if (saved_rank, saved_world_size) == (rank, world_size):
+        return
+    head = f"{what} state of rank {saved_rank}/{saved_world_size} cannot load on rank {rank}/{world_size}"
+    if saved_world_size != world_size:
+        raise ValueError(f"{head}: resume with the same data-parallel size ({saved_world_size}), or load the "
+                         f"checkpoint with scape_ds.checkpoint.load_checkpoint, which re-shards it")
+    raise ValueError(f"{head}: the data-parallel size is the same, but this is rank {saved_rank}'s shard and rank "
+                     f"{rank} needs its own; the checkpoint holds one rank's state where each rank's own file is "
+                     f"needed (save through scape_ds.initialize's engine or scape_ds.checkpoint, which write one "
+                     f"per rank)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -199,6 +200,76 @@ def test_resume_with_other_sparsity_chunk_size_and_interval_keeps_the_state(tmp_
             assert all(x == x and x < 10 for x in losses), (name, losses)  # finite, still learning
         assert "saved by ScapeAdamS" in out["adamw"] and "\n" not in out["adamw"], out["adamw"]
     assert resumed[0]["adamw"] == resumed[1]["adamw"]
+
+
+# ---------------------------------------------------------------- DeepSpeed's own save/load (the HF Trainer's)
+def _same(a, b) -> bool:
+    """Nested state dicts equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _worker_engine_methods(rank, world_size, tmp_path, ckpt):
+    import inspect
+
+    _set_env(rank)
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _small_engine()
+    _train(engine, train, 0, 3)
+    signature = inspect.signature(engine.save_checkpoint).parameters  # the Trainer looks for exclude_frozen_parameters
+    engine.save_checkpoint(ckpt)  # as the Trainer's save_strategy calls it: DeepSpeed's default tag
+    saved = engine.optimizer.state_dict(), _params(engine)
+    fresh = _small_engine()
+    path, _ = fresh.load_checkpoint(ckpt, load_optimizer_states=True, load_lr_scheduler_states=True)  # the resume
+    same = _same(saved, (fresh.optimizer.state_dict(), _params(fresh))) and fresh.global_steps == 3
+    # DeepSpeed's own loader gives every rank the one optimizer state in its model file (rank 0's)
+    try:
+        inspect.unwrap(fresh.load_checkpoint)(ckpt, load_optimizer_states=True)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    # a checkpoint saved before issue 36 (DeepSpeed's files alone; each rank a copy of its own): refused
+    old = os.path.join(str(tmp_path), f"old{rank}")
+    os.makedirs(os.path.join(old, "global_step3"))
+    shutil.copy(os.path.join(ckpt, "global_step3", "mp_rank_00_model_states.pt"), os.path.join(old, "global_step3"))
+    shutil.copy(os.path.join(ckpt, "latest"), old)
+    try:
+        fresh.load_checkpoint(old)
+        old_refused = None
+    except ValueError as e:
+        old_refused = str(e)
+    engine._config.use_node_local_storage = True  # a folder per node: refused when saving, on every rank
+    try:
+        engine.save_checkpoint(ckpt, tag="local")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return "exclude_frozen_parameters" in signature, path, same, message, refused, old_refused
+
+
+def test_deepspeeds_own_save_and_load_hold_every_ranks_state(tmp_path):
+    """Issue 36: engine.save_checkpoint / load_checkpoint, which the HF Trainer calls, at stage 0/1."""
+    ckpt = str(tmp_path / "ckpt")
+    results = run_ranks(_worker_engine_methods, 2, tmp_path, ckpt)
+    tag_dir = os.path.join(ckpt, "global_step3")
+    assert {"scape_dp_rank_00000.pt", "scape_dp_rank_00001.pt", "manifest.json"} <= set(os.listdir(tag_dir))
+    assert open(os.path.join(ckpt, "latest")).read() == "global_step3"
+    for rank, (signature, path, same, message, refused, old_refused) in enumerate(results):
+        assert signature and path == tag_dir
+        assert "has no manifest.json" in old_refused and "\n" not in old_refused, old_refused
+        assert same, f"rank {rank}: state after load_checkpoint differs from the saved one"
+        assert "use_node_local_storage" in refused and "\n" not in refused, refused
+        assert not os.path.exists(os.path.join(ckpt, "local"))
+    assert results[0][3] is None  # rank 0's own state
+    assert "rank 0/2 cannot load on rank 1/2: the data-parallel size is the same, but this is rank 0's shard " \
+           "and rank 1 needs its own" in results[1][3], results[1][3]
 
 
 # ---------------------------------------------------------------- a save killed half way

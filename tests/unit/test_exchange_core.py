@@ -108,8 +108,10 @@ def test_state_loads_only_on_the_rank_and_world_size_that_saved_it():
     check_same_layout(1, 4, 1, 4, "X")
     with pytest.raises(ValueError, match="X state of rank 1/4 cannot load on rank 1/2: resume with the same"):
         check_same_layout(1, 4, 1, 2, "X")
-    with pytest.raises(ValueError, match="rank 0/2 cannot load on rank 1/2"):
+    with pytest.raises(ValueError, match="rank 0/2 cannot load on rank 1/2: the data-parallel size is the same, "
+                                         "but this is rank 0's shard and rank 1 needs its own") as e:
         check_same_layout(0, 2, 1, 2, "X")
+    assert "resume with the same data-parallel size" not in str(e.value)  # the size is the same: not the advice
 
 
 @pytest.mark.parametrize("cfg,refused_at_1,refused_at_3", [

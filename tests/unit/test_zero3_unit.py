@@ -2,6 +2,8 @@
 the packing and replica-position arithmetic of the exchange (D ranks simulated in one process)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -51,6 +53,31 @@ def test_masked_steps_touch_only_the_mask_and_decay_is_settled_at_the_dense_step
             adams([ref_p], [g], [ref_m], step=t, bias_correction=True, lr=HP["lr"], beta1=0.9, beta2=0.95,
                   eps=HP["eps"], weight_decay=HP["weight_decay"])
         torch.testing.assert_close(flat.detach(), ref_p, rtol=1e-6, atol=1e-7)
+
+
+def test_a_loaded_state_keeps_the_last_mask_an_index_and_the_dense_step_after_it_matches():
+    """torch's load_state_dict casts state tensors to the parameter's dtype; ``last_index`` stays
+    int64, so the dense step after a resume (a refresh) settles the decay exactly as without one."""
+    torch.manual_seed(0)
+    flats = [torch.randn(64, requires_grad=True) for _ in range(2)]
+    opt = Stage3AdamS(flats, **HP)
+    grads = [torch.randn(64) for _ in range(2)]
+    for f, g in zip(flats, grads):
+        f.grad = g.clone()
+    opt.active = {id(f): torch.tensor([3, 10, 40]) + i for i, f in enumerate(flats)}
+    opt.step()  # sparse: owes decay outside the mask
+    saved = copy.deepcopy(opt.state_dict())  # as read from a file: no tensor shared with opt
+    copies = [f.detach().clone().requires_grad_() for f in flats]
+    again = Stage3AdamS(copies, **HP)
+    again.load_state_dict(saved)
+    assert [again.state[c]["last_index"].dtype for c in copies] == [torch.int64] * 2
+    assert torch.equal(again.state[copies[1]]["last_index"], torch.tensor([4, 11, 41]))
+    for o, ps in ((opt, flats), (again, copies)):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        o.active = {}
+        o.step()  # dense: settles the decay with last_index
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(flats, copies))
 
 
 @pytest.mark.parametrize("edit,message", [
