@@ -19,7 +19,7 @@ def _save_png(fig, path: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     buf.seek(0)
-    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
+    Image.open(buf).convert("RGB").quantize(colors=64, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
 
@@ -115,7 +115,8 @@ def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None
 def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
     """The plot of record: validation loss against bytes per step / dense (log x), one point per
     configuration at its best lr, one panel per settings with a dense AdamW row (its loss: the
-    dashed reference line). Markers by basis: coordinate SCAPE, DCT SCAPE, DeMo, dense, others."""
+    dashed reference line). Markers by kind: coordinate SCAPE, DCT SCAPE, DeMo, DiLoCo and SparseLoCo,
+    dense and others."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,25 +127,27 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
     style = {"dct": ("s", "tab:red"), "coordinate": ("o", "tab:blue"), "demo": ("D", "tab:green"),
-             "": ("^", "black")}
+             "local": ("v", "tab:purple"), "": ("^", "black")}
     for ax, (key, g) in zip(axes[0], panels):
         ref = _num(g["dense AdamW"][0]["val_loss"])
         ax.axhline(ref, color="k", linestyle="--", linewidth=1, label=f"dense AdamW {ref:.4f}")
         points = [(name, r, _num(r["bytes_frac"]), _num(r["val_loss"])) for name, (r, _) in sorted(g.items())
                   if name != "dense AdamW" and _num(r["bytes_frac"]) > 0]
         for name, r, frac, loss in points:
-            kind = "demo" if r.get("method") == "demo" else (r.get("basis") or "")
+            method = r.get("method")
+            kind = "demo" if method == "demo" else "local" if method in ("diloco", "sparseloco") else \
+                (r.get("basis") or "")
             marker, color = style.get(kind, style[""])
             ax.scatter([frac], [loss], marker=marker, color=color, s=25)
             # names on the frontier (nothing with fewer or equal bytes is lower) and on every transform row
             frontier = not any(f2 <= frac and l2 < loss for _, _, f2, l2 in points)
-            if frontier or kind in ("dct", "demo"):
+            if frontier or kind in ("dct", "demo", "local"):
                 ax.annotate(f"{name} ({loss / ref:.3f}x)", (frac, loss), fontsize=6, xytext=(4, 2),
                             textcoords="offset points")
         for kind, (marker, color) in style.items():
             ax.plot([], [], marker=marker, color=color, linestyle="none", label={"dct": "SCAPE, basis dct",
                        "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo recipe",
-                       "": "dense, other"}[kind])
+                       "local": "DiLoCo, SparseLoCo", "": "dense, other"}[kind])
         n_layer, n_embd, steps, seed, ranks, _ = key
         ax.set_xscale("log")
         ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks",
