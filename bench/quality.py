@@ -47,12 +47,15 @@ Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``d
 ``wmean99``, and ``scape995_T50`` (lazy at 0.995 with T=50: about the bytes of 0.99 at T=100); the
 screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). The best setting of each
 rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
+ZeRO-3 (``zero3``): ``z3_99_dense_small`` (``ds_configs/scape_zero3.json``: norms, biases and small tensors
+reduced densely) and ``z3_99_all_sparse`` (the same with every tensor masked, an ablation of the code).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``hier``, ``update_rules``, ``all``.
+``hier``, ``update_rules``, ``dct``, ``zero3``, ``all``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -152,7 +155,22 @@ RUNS: dict[str, tuple] = {
     # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
     # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
     "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
+    # ZeRO-3 (path B, ds_configs/scape_zero3.json): norms, biases and tensors under dense_numel_threshold
+    # reduced densely as on path A, against every tensor sparse with error feedback (ABLATIONS)
+    "z3_99_dense_small": ("SCAPE ZeRO-3 0.99, T=100, small tensors dense", "scape_zero3.json", {}),
+    "z3_99_all_sparse": ("SCAPE ZeRO-3 0.99, T=100, every tensor sparse (ablation)", "scape_zero3.json", {}),
 }
+
+
+def _zero3_every_tensor_sparse():
+    """ZeRO-3 as it was before small tensors went dense (every tensor masked, with error feedback)."""
+    from unittest import mock
+
+    return mock.patch("scape_ds.exchange.stage3.dense_tensor_ids", lambda params, threshold: set())
+
+
+# runs that differ by code, not by config: a context manager around their training, on every rank
+ABLATIONS = {"z3_99_all_sparse": _zero3_every_tensor_sparse}
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
 LR_CHECK = ["adams_lr1e-3", "scape99_lr1e-3", "scape90_lr1e-3", "adamw_lr1e-3", "topk99_lr1e-3", "scape99_T50_lr1e-3"]
@@ -162,9 +180,10 @@ LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 HIER = ["scape99_hier"]
 DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
+ZERO3 = [n for n in RUNS if n.startswith("z3_")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "all": list(RUNS)}
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "zero3": ZERO3, "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.
@@ -483,7 +502,8 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
         print(f"=== {rid}: {RUNS[name][0]}" + (f" (resumed at step {start})" if start else ""), flush=True)
     hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter())
     if start < end:
-        pretrain.train(args, cfg, on_step=hook)
+        with ABLATIONS.get(name, contextlib.nullcontext)():
+            pretrain.train(args, cfg, on_step=hook)
     else:
         hook.t0 = time.perf_counter()  # nothing left to train: the wall time is the checkpoint's
     if rank == 0 and end == opts["steps"]:
