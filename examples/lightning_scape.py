@@ -29,26 +29,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from scape_ds.data import build_datasets
+from scape_ds.data import ByteWindows, build_datasets
 from scape_ds.engine import scape_optimizer
 from scape_ds.lightning import ScapeDeepSpeedStrategy
 from scape_ds.models import GPT, GPTConfig
-
-
-class ByteWindows(torch.utils.data.Dataset):
-    """``n`` windows of ``seq_len + 1`` bytes from ``data`` at offsets drawn once from ``seed``."""
-
-    def __init__(self, data: torch.Tensor, seq_len: int, n: int, seed: int):
-        gen = torch.Generator().manual_seed(seed)
-        self.data, self.seq_len = data, seq_len
-        self.offsets = torch.randint(0, len(data) - seq_len - 1, (n,), generator=gen)  # (n,) int64
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.data[self.offsets[i] : self.offsets[i] + self.seq_len + 1].long()  # (T + 1,) int64
-        return w[:-1], w[1:]  # inputs and next-byte targets, (T,) each
 
 
 class ByteGPT(L.LightningModule):
