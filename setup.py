@@ -25,9 +25,9 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py>=4.0,<5", "mpich>=4.1"],
-        # transformers and accelerate: examples/hf_*.py and tests/integration/test_examples.py
+        # transformers, accelerate and lightning: examples/*.py and tests/integration/test_examples.py
         "test": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7", "transformers>=5.25,<6",
-                 "accelerate>=1.16,<2", "ruff>=0.5",
+                 "accelerate>=1.16,<2", "lightning>=2.6,<3", "ruff>=0.5",
                  # scipy.fft.dct is the outside reference of the DCT basis tests
                  "scipy>=1.11"],
     },

@@ -47,11 +47,13 @@ Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``d
 ``wmean99``, and ``scape995_T50`` (lazy at 0.995 with T=50: about the bytes of 0.99 at T=100); the
 screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). The best setting of each
 rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
+ZeRO-3 (``zero3``): ``z3_99_dense_small`` (``ds_configs/scape_zero3.json``: norms, biases and small tensors
+reduced densely) and ``z3_99_all_sparse`` (the same with every tensor masked, an ablation of the code).
 Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``demo``
 (DeMo's recipe as a config). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and
 ``sparseloco_H30``, SparseLoCo, over the dense AdamW run (qualitybench/baselines.py; no checkpoints).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``hier``, ``update_rules``, ``dct``, ``local_sgd``, ``all``.
+``hier``, ``update_rules``, ``dct``, ``local_sgd``, ``zero3``, ``all``.
 """
 from __future__ import annotations
 

@@ -100,7 +100,10 @@ class ScapeConfig(BaseModel):
     coordinates outside the mask still get fresh statistics), in [0, 1)."""
 
     dense_numel_threshold: int = 4096
-    """Tensors with fewer elements, and all 1-D tensors (norms, biases), are exchanged densely."""
+    """Tensors with fewer elements, and all 1-D tensors (norms, biases), are exchanged densely: their
+    gradients are reduced whole every step (no mask, no error feedback) and every rank applies the
+    same update, on path A (all-reduce, tag ``dense_ar``) and under ZeRO-3 (a reduce-scatter of their
+    pieces, tag ``dense_rs``)."""
 
     param_exchange: Literal["dense", "sparse_replica"] = "dense"
     """ZeRO-3 only: ``dense`` keeps ZeRO-3's own parameter all-gather; ``sparse_replica`` keeps a

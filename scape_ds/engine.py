@@ -346,8 +346,10 @@ def end_at_exit(opt) -> None:
     Gloo's worker threads can still hold asynchronous work when the interpreter is torn down, and the
     process then aborts (``terminate called without an active exception``, SIGABRT, exit -6) after it
     trained to the end: upstream pytorch/pytorch#190489. Scripts that end with
-    ``dist.destroy_process_group()`` are safe; the Hugging Face Trainer and accelerate do not call it,
-    so SCAPE does it for them (a no-op once the script destroyed the group itself)."""
+    ``dist.destroy_process_group()`` are not safe either: a gloo worker thread can still be waiting for
+    the GIL to destroy the last collective's work (``_WORKER_GRACE_S``). The Hugging Face Trainer and
+    accelerate do not call it, so SCAPE destroys the group for them (a no-op once the script did),
+    then lets go of the GIL for ``_WORKER_GRACE_S`` in either case."""
     import atexit
     import weakref
 
@@ -356,19 +358,32 @@ def end_at_exit(opt) -> None:
     _AT_EXIT.append(weakref.ref(opt))
 
 
+# How long the main thread lets go of the GIL at exit. A gloo worker thread destroys a finished
+# collective's work after the waiter has returned (the script's last all-gather, say), and that
+# needs the GIL (its tensors' Python objects); if the interpreter is finalizing by then, the thread
+# exits inside that destructor and the process aborts (seen in a core dump: ProcessGroupGloo::runLoop
+# -> ~AsyncAllgatherWork -> take_gil during Py_FinalizeEx -> std::terminate).
+_WORKER_GRACE_S = 0.2
+
+
 def _end_now() -> None:
+    import time
+
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
     try:
-        for ref in _AT_EXIT:
-            opt = ref()
-            if opt is not None:
-                opt.synchronize()
+        if dist.is_initialized():
+            try:
+                for ref in _AT_EXIT:
+                    opt = ref()
+                    if opt is not None:
+                        opt.synchronize()
+            finally:
+                dist.destroy_process_group()
     finally:
         _AT_EXIT.clear()
-        dist.destroy_process_group()
+        # also after a script destroyed the group itself: its workers may still hold the last work
+        time.sleep(_WORKER_GRACE_S)
 
 
 def _say_defaults(scape_cfg) -> None:

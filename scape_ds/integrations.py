@@ -15,6 +15,10 @@ Steps of :func:`enable`:
      else to DeepSpeed unchanged. ``scape_ds.initialize`` calls ``deepspeed.initialize`` itself:
      calls made while a routed call is running go straight to DeepSpeed (a per-thread depth count).
 
+Lightning: :class:`scape_ds.lightning.ScapeDeepSpeedStrategy` (also reachable as
+``scape_ds.integrations.ScapeDeepSpeedStrategy``) builds SCAPE itself and runs on CPU too; it needs no
+``enable()``.
+
 Without ``enable()`` DeepSpeed meets a SCAPE config on its own: ``"type": "ScapeAdamS"`` stops in
 its optimizer check with ``AssertionError: ScapeAdamS is not a supported DeepSpeed Optimizer``
 (that message means: call ``scape_ds.enable()`` first). DeepSpeed has no hook that would let us
@@ -29,6 +33,14 @@ import threading
 from typing import Any
 
 __all__ = ["enable", "disable", "is_enabled", "routed_initialize", "wants_scape", "state_digest"]
+
+
+def __getattr__(name: str):
+    if name == "ScapeDeepSpeedStrategy":  # imported on first use: it needs lightning
+        from .lightning import ScapeDeepSpeedStrategy
+
+        return ScapeDeepSpeedStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
 _state = threading.local()  # .depth: routed calls running on this thread

@@ -17,7 +17,9 @@ arithmetic in :mod:`scape_ds.exchange.pieces`. It changes three things:
    ``E``. The partition handed back to ZeRO-3 is zero outside the mask. On dense steps (the first
    and, with ``dense_refresh``, every refresh) the whole of ``g + E`` is reduce-scattered and
    ``E`` is emptied. The mask stays fixed across gradient-accumulation micro-steps (ZeRO-3
-   reduces every micro-batch; each adds to ``E``).
+   reduces every micro-batch; each adds to ``E``). Dense tensors (1-D, under
+   ``dense_numel_threshold``, marked ``scape_dense``) skip all of this: their whole pieces are
+   reduce-scattered every step, with no mask and no error feedback, as on path A.
 2. **Masks from the momentum, one step early**: after a refresh step the owner of each piece
    takes the top-``k_p`` of ``|m|`` over its piece of the flat fp32 partition that the optimizer
    sees, and an asynchronous all-gather sends every rank's masks while the next forward runs;

@@ -7,6 +7,7 @@ diagnostics' state, deleted when the run finishes) under the output folder.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import time
 from .baselines import build_baseline
 from .diagnostics import Diagnostics
 from .runs import (
+    ABLATIONS,
     BASELINES,
     CKPT_STATE,
     REPO,
@@ -121,7 +123,8 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
         print(f"=== {rid}: {RUNS[name][0]}" + (f" (resumed at step {start})" if start else ""), flush=True)
     hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter(), baseline)
     if start < end:
-        pretrain.train(args, cfg, on_step=hook, on_start=baseline.start if baseline is not None else None)
+        with ABLATIONS.get(name, contextlib.nullcontext)():
+            pretrain.train(args, cfg, on_step=hook, on_start=baseline.start if baseline is not None else None)
     else:
         hook.t0 = time.perf_counter()  # nothing left to train: the wall time is the checkpoint's
     if rank == 0 and end == opts["steps"]:

@@ -98,12 +98,25 @@ RUNS: dict[str, tuple] = {
     # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
     # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
     "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
+    # ZeRO-3 (path B, ds_configs/scape_zero3.json): norms, biases and tensors under dense_numel_threshold
+    # reduced densely as on path A, against every tensor sparse with error feedback (ABLATIONS)
+    "z3_99_dense_small": ("SCAPE ZeRO-3 0.99, T=100, small tensors dense", "scape_zero3.json", {}),
+    "z3_99_all_sparse": ("SCAPE ZeRO-3 0.99, T=100, every tensor sparse (ablation)", "scape_zero3.json", {}),
     # DiLoCo (arXiv 2311.08105): H local AdamW steps, then the outer Nesterov step (baselines.py)
     "diloco_H30": ("DiLoCo H=30 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     # SparseLoCo (arXiv 2508.15706): DiLoCo with top-64 of 4096 per chunk, 2-bit values, EF decay 0.95
     "sparseloco_H30": ("SparseLoCo H=30 (top-64 of 4096, 2-bit, EF 0.95, outer lr 1)", "dense_adamw.json", {}),
 }
+def _zero3_every_tensor_sparse():
+    """ZeRO-3 as it was before small tensors went dense (every tensor masked, with error feedback)."""
+    from unittest import mock
+
+    return mock.patch("scape_ds.exchange.stage3.dense_tensor_ids", lambda params, threshold: set())
+
+
+# runs that differ by code, not by config: a context manager around their training, on every rank
+ABLATIONS = {"z3_99_all_sparse": _zero3_every_tensor_sparse}
 # runs that are not a config of the product alone: the loop calls a baseline object (baselines.py)
 BASELINES: dict[str, dict] = {
     "diloco_H30": dict(kind="diloco", H=30),
@@ -120,9 +133,10 @@ LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2",
 HIER = ["scape99_hier"]
 DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
 LOCAL_SGD = list(BASELINES)
+ZERO3 = [n for n in RUNS if n.startswith("z3_")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "local_sgd": LOCAL_SGD,
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "local_sgd": LOCAL_SGD, "zero3": ZERO3,
           "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per

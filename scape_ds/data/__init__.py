@@ -2,6 +2,7 @@
 from .corpus import (
     CORPUS_NAMES,
     ByteTokenizer,
+    ByteWindows,
     build_datasets,
     get_batch,
     load_corpus,
@@ -11,6 +12,7 @@ from .corpus import (
 __all__ = [
     "CORPUS_NAMES",
     "ByteTokenizer",
+    "ByteWindows",
     "build_datasets",
     "get_batch",
     "load_corpus",

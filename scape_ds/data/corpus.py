@@ -236,6 +236,28 @@ def get_batch(
     return window[:, :-1], window[:, 1:]  # (B, T), (B, T)
 
 
+class ByteWindows(torch.utils.data.Dataset):
+    """A map-style dataset of ``n`` windows of ``data`` at offsets drawn once from ``seed``, for
+    frameworks that shard a ``Dataset`` themselves (examples/lightning_scape.py,
+    examples/accelerate_scape.py); item i is ``(x, y)``, ``(seq_len,)`` int64 each, ``y`` the next
+    tokens of ``x``."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, n: int, seed: int = 0):
+        if data.dim() != 1 or not 1 <= seq_len < len(data) - 1 or n < 1:
+            raise ValueError(f"ByteWindows: needs 1-D data longer than seq_len + 1 and n >= 1, got data of shape "
+                             f"{tuple(data.shape)}, seq_len {seq_len}, n {n}")
+        gen = torch.Generator().manual_seed(seed)
+        self.data, self.seq_len = data, seq_len
+        self.offsets = torch.randint(0, len(data) - seq_len - 1, (n,), generator=gen)  # (n,) int64
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.data[self.offsets[i] : self.offsets[i] + self.seq_len + 1].long()  # (T + 1,) int64
+        return w[:-1], w[1:]  # (T,), (T,)
+
+
 def unigram_entropy(data: torch.Tensor) -> float:
     """Entropy of the token frequencies of ``data`` in nats: the loss of the best context-free model.
 

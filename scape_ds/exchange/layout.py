@@ -13,14 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatLayout", "Zero3Layout", "split_dense_sparse"]
+__all__ = ["FlatLayout", "Zero3Layout", "split_dense_sparse", "is_dense_tensor"]
+
+
+def is_dense_tensor(shape: tuple[int, ...], numel: int, dense_numel_threshold: int, marked: bool = False) -> bool:
+    """Whether a tensor is exchanged densely on both paths: 1-D (norms, biases), fewer than
+    ``dense_numel_threshold`` elements, or ``marked`` (``scape_dense``). ZeRO-3 passes the full
+    ``ds_shape``/``ds_numel``, since its parameters hold only their partition."""
+    return len(shape) < 2 or numel < dense_numel_threshold or marked
 
 
 def split_dense_sparse(params: list[torch.Tensor], dense_numel_threshold: int) -> tuple[list, list]:
-    """Split into (sparse, dense): 1-D tensors, tensors below the threshold and tensors marked
-    ``scape_dense`` are dense."""
-    sparse = [p for p in params if p.dim() >= 2 and p.numel() >= dense_numel_threshold
-              and not getattr(p, "scape_dense", False)]
+    """Split into (sparse, dense) by :func:`is_dense_tensor`."""
+    sparse = [p for p in params
+              if not is_dense_tensor(p.shape, p.numel(), dense_numel_threshold, getattr(p, "scape_dense", False))]
     ids = {id(p) for p in sparse}
     return sparse, [p for p in params if id(p) not in ids]
 

@@ -16,6 +16,7 @@ import torch
 from ..comm import collective_bytes
 from ..config import ScapeConfig
 from .core import MaskSchedule, PendingMasks, check_same_layout, step_comm_stats
+from .layout import is_dense_tensor
 from .pieces import (
     flat_indices,
     k_per_piece,
@@ -27,7 +28,14 @@ from .pieces import (
     unpack_pieces,
 )
 
-__all__ = ["Stage3Exchange"]
+__all__ = ["Stage3Exchange", "dense_tensor_ids"]
+
+
+def dense_tensor_ids(params: Iterable, dense_numel_threshold: int) -> set[int]:
+    """``ds_id`` of the ZeRO-3 parameters exchanged densely (:func:`~scape_ds.exchange.layout.is_dense_tensor`
+    on their full ``ds_shape`` and ``ds_numel``: 1-D, under the threshold, or marked ``scape_dense``)."""
+    return {p.ds_id for p in params
+            if is_dense_tensor(tuple(p.ds_shape), p.ds_numel, dense_numel_threshold, getattr(p, "scape_dense", False))}
 
 
 class Stage3Exchange:
@@ -36,7 +44,10 @@ class Stage3Exchange:
     Args:
         cfg: the ``"scape"`` settings.
         comm: the data-parallel communicator (ZeRO-3's partition group).
-        params: every ZeRO-3 parameter of the optimizer.
+        params: every ZeRO-3 parameter of the optimizer. Those :func:`~scape_ds.exchange.layout.is_dense_tensor`
+            calls dense (1-D, under ``dense_numel_threshold`` elements, marked ``scape_dense``) are
+            reduce-scattered whole on every step (tag ``dense_rs``), with no mask and no error
+            feedback, and the optimizer updates their whole piece, as on path A.
         masked: the inner optimizer applies masks (``Stage3AdamS``); otherwise every step is dense.
         grad_comm_dtype: the dtype dense ZeRO-3 reduces gradients in (for ``bytes_dense``).
 
@@ -53,6 +64,7 @@ class Stage3Exchange:
         self.replica = cfg.param_exchange == "sparse_replica"
         self.schedule = MaskSchedule(cfg.mask_refresh_interval, cfg.dense_refresh, always_dense=not masked)
         self.params = sorted(params, key=lambda p: p.ds_id)
+        self.dense_ids = dense_tensor_ids(self.params, cfg.dense_numel_threshold)  # exchanged whole every step
         if self.replica:
             partial = [p.ds_id for p in self.params if not getattr(p, "ds_persist", False)]
             if partial:
@@ -61,7 +73,8 @@ class Stage3Exchange:
         # state
         self.step = 0  # completed optimizer steps
         self.error: dict[int, torch.Tensor] = {}  # ds_id -> (D*P,) fp32 error feedback, one gradient's size
-        self.masks: dict[int, torch.Tensor] = {}  # ds_id -> (D, k) int64 offsets within each piece
+        self.masks: dict[int, torch.Tensor] = {}  # ds_id -> (D, k) int64 offsets within each piece (sparse ones)
+        self._whole: dict[int, torch.Tensor] = {}  # ds_id -> (D, P) int64 0..P-1: a dense tensor's "mask"
         self.refresh_next = False  # the next step chooses masks (after an elastic load: no masks, so dense)
         self.pending = PendingMasks()  # the masks of the last refresh step, in flight
         self.step_dense = True  # the step in progress exchanges densely
@@ -85,11 +98,22 @@ class Stage3Exchange:
         return piece_numel(p.ds_numel, self.world_size)
 
     def k(self, p) -> int:
-        """k of ZeRO-3 parameter ``p``."""
-        return k_per_piece(self.piece(p), self.cfg.sparsity)
+        """k of ZeRO-3 parameter ``p`` (P for a dense tensor)."""
+        return self.piece(p) if p.ds_id in self.dense_ids else k_per_piece(self.piece(p), self.cfg.sparsity)
+
+    def mask(self, p) -> torch.Tensor:
+        """(D, k) offsets of ``p``'s pieces a sparse step updates: its mask, or every position of a dense tensor."""
+        if p.ds_id not in self.dense_ids:
+            return self.masks[p.ds_id]
+        whole = self._whole.get(p.ds_id)
+        if whole is None:
+            P = self.piece(p)
+            whole = self._whole[p.ds_id] = torch.arange(P, device=p.ds_tensor.device).expand(self.world_size, P)
+        return whole
 
     def is_dense(self, t: int) -> bool:
-        """Whether step ``t`` (1-based) exchanges densely (also while no mask has arrived)."""
+        """Whether step ``t`` (1-based) exchanges densely (also while no mask has arrived, and
+        always when every tensor is dense)."""
         return self.schedule.is_dense(t) or not self.masks
 
     def begin_step(self) -> bool:
@@ -112,31 +136,49 @@ class Stage3Exchange:
     def reduce_scatter_grads(self, params_to_reduce: list, out_dtype: torch.dtype) -> list[torch.Tensor]:
         """DeepSpeed's ``__avg_scatter_grads``: every rank's mean gradient piece, SCAPE's way.
 
-        Adds each gradient to its error feedback, packs (dense: everything; sparse: the values at
-        every piece's mask), reduce-scatters the mean, and returns per parameter this rank's
-        (real part of the) piece in ``out_dtype``, zero outside the mask on a sparse step.
+        Adds each gradient of a sparse-exchanged tensor to its error feedback, packs (dense step:
+        everything; sparse: the values at every piece's mask), reduce-scatters the mean (tag
+        ``grad_rs``); the dense tensors' gradients go whole in a second reduce-scatter (tag
+        ``dense_rs``), every step, with no error feedback. Returns per parameter this rank's (real
+        part of the) piece in ``out_dtype``, zero outside the mask on a sparse step.
         """
-        D, r = self.world_size, self.rank
         self.pending.wait()
         dense = self.is_dense(self.step + 1)
+        parts: list[torch.Tensor | None] = [None] * len(params_to_reduce)
+        sparse_at = [i for i, p in enumerate(params_to_reduce) if p.ds_id not in self.dense_ids]
+        dense_at = [i for i, p in enumerate(params_to_reduce) if p.ds_id in self.dense_ids]
+        for at, whole, tag in ((sparse_at, dense, "grad_rs"), (dense_at, True, "dense_rs")):
+            if at:
+                chosen = [params_to_reduce[i] for i in at]
+                for i, part in zip(at, self._reduce_scatter(chosen, whole, tag)):
+                    parts[i] = part
+        return [part.narrow(0, 0, real_numel(p.ds_numel, self.piece(p), self.rank)).to(out_dtype)
+                for p, part in zip(params_to_reduce, parts)]
+
+    def _reduce_scatter(self, params: list, whole: bool, tag: str) -> list[torch.Tensor]:
+        """One reduce-scatter of the mean of ``params``' gradients plus error feedback (a dense
+        tensor has none: its gradient goes in a temporary); per parameter this rank's (P,) piece."""
+        D, r = self.world_size, self.rank
         accs, pieces = [], []
-        for p in params_to_reduce:
+        for p in params:
             P = self.piece(p)
             assert p.partition_numel() == P, (p.partition_numel(), P)
-            err = self.error.get(p.ds_id)
-            if err is None:
-                err = self.error[p.ds_id] = torch.zeros(D * P, dtype=torch.float32, device=p.grad.device)
+            if p.ds_id in self.dense_ids:  # a residual loaded from a checkpoint that exchanged it sparsely goes now
+                err = self.error.pop(p.ds_id, None)
+                err = torch.zeros(D * P, dtype=torch.float32, device=p.grad.device) if err is None else err
+            else:
+                err = self.error.get(p.ds_id)
+                if err is None:
+                    err = self.error[p.ds_id] = torch.zeros(D * P, dtype=torch.float32, device=p.grad.device)
             err[: p.ds_numel].add_(p.grad.reshape(-1).to(torch.float32))  # E += g
             accs.append(err.view(D, P))
             pieces.append(P)
-        masks = None if dense else [self.masks[p.ds_id] for p in params_to_reduce]  # (D, k_p) each
+        masks = None if whole else [self.masks[p.ds_id] for p in params]  # (D, k_p) each
         packed, widths = pack_for_reduce_scatter(accs, masks)  # (D * sum w,); what is sent leaves E
         packed.div_(D)  # the mean, pre-divided as DeepSpeed does
         out = torch.empty(packed.numel() // D, dtype=packed.dtype, device=packed.device)  # (sum w,)
-        self.comm.reduce_scatter(out, packed, "grad_rs")
-        parts = unpack_pieces(out, widths, pieces, None if dense else [m[r] for m in masks])
-        return [part.narrow(0, 0, real_numel(p.ds_numel, P, r)).to(out_dtype)
-                for p, part, P in zip(params_to_reduce, parts, pieces)]
+        self.comm.reduce_scatter(out, packed, tag)
+        return unpack_pieces(out, widths, pieces, None if whole else [m[r] for m in masks])
 
     # -------------------------------------------------------------- masks
     def select_masks(self, momenta: Iterable[tuple[torch.Tensor, int, Any]]) -> None:
@@ -147,9 +189,12 @@ class Stage3Exchange:
         """
         mine = {}
         for m, offset, p in momenta:
-            seg = m.narrow(0, offset, self.piece(p)).abs()
-            mine[p.ds_id] = torch.topk(seg, self.k(p), sorted=False).indices.sort().values
-        order = [(p.ds_id, self.k(p)) for p in self.params]
+            if p.ds_id not in self.dense_ids:
+                seg = m.narrow(0, offset, self.piece(p)).abs()
+                mine[p.ds_id] = torch.topk(seg, self.k(p), sorted=False).indices.sort().values
+        order = [(p.ds_id, self.k(p)) for p in self.params if p.ds_id not in self.dense_ids]
+        if not order:  # every tensor dense: no masks, every step dense
+            return
         local = torch.cat([mine[i] for i, _ in order]).to(torch.int32)  # (sum k,)
         self.pending.start(self.comm, local, lambda out: self._set_masks(out, order))
 
@@ -167,7 +212,7 @@ class Stage3Exchange:
             positions: ``(flat fp32 partition, offset of p's piece in it, p)`` for every parameter.
         """
         if self._flat_index is None:
-            self._flat_index = flat_indices((id(flat), offset, self.masks[p.ds_id][self.rank])
+            self._flat_index = flat_indices((id(flat), offset, self.mask(p)[self.rank])
                                             for flat, offset, p in positions)
         return self._flat_index
 
@@ -183,10 +228,10 @@ class Stage3Exchange:
         """Sparse step: all-gather the new values at every rank's mask; per parameter ``(flat
         positions, values)`` to write into its full copy."""
         r = self.rank
-        local = torch.cat([p.ds_tensor.reshape(-1)[self.masks[p.ds_id][r]] for p in self.params])  # (sum k,)
-        rows = self._all_gather(local, [self.masks[p.ds_id].shape[1] for p in self.params])
+        local = torch.cat([p.ds_tensor.reshape(-1)[self.mask(p)[r]] for p in self.params])  # (sum k,)
+        rows = self._all_gather(local, [self.k(p) for p in self.params])
         if self._replica_index is None:
-            self._replica_index = [replica_positions(self.masks[p.ds_id], self.piece(p), p.ds_numel)
+            self._replica_index = [replica_positions(self.mask(p), self.piece(p), p.ds_numel)
                                    for p in self.params]
         return [(pos, row.reshape(-1)[valid]) for row, (pos, valid) in zip(rows, self._replica_index)]
 
@@ -221,7 +266,7 @@ class Stage3Exchange:
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
         ids = [p.ds_id for p in self.params]
         self.error = {ids[i]: v.to(device) for i, v in saved["error"].items()}
-        self.masks = {ids[i]: v.to(device) for i, v in saved["masks"].items()}
+        self.masks = {ids[i]: v.to(device) for i, v in saved["masks"].items() if ids[i] not in self.dense_ids}
         self._flat_index = self._replica_index = None
         self.step = saved["step"]
         self.refresh_next = bool(saved.get("refresh_next", False))  # set by scape_ds.checkpoint.reshard

@@ -60,19 +60,21 @@ def scape_stage01_bytes(numel: int, world_size: int, chunk_size: int, k_per_chun
 
 
 def scape_zero3_bytes(numels: list[int], world_size: int, sparsity: float, param_bytes: int,
-                      replica: bool) -> dict[str, int]:
-    """Exact bytes the SCAPE stage 3 holds on one rank for parameters of ``numels`` elements, by the
-    keys of ``ScapeStage3.memory_bytes()`` (ZeRO-3 pads each parameter to D pieces of P elements)."""
+                      replica: bool, dense_numels: tuple[int, ...] = ()) -> dict[str, int]:
+    """Exact bytes the SCAPE stage 3 holds on one rank for sparse-exchanged parameters of ``numels``
+    elements and dense-exchanged ones of ``dense_numels`` (no error feedback, no mask), by the keys
+    of ``ScapeStage3.memory_bytes()`` (ZeRO-3 pads each parameter to D pieces of P elements)."""
     D = world_size
     pieces = [math.ceil(n / D) for n in numels]
+    all_pieces = pieces + [math.ceil(n / D) for n in dense_numels]
     ks = [max(1, math.ceil((1.0 - sparsity) * P)) for P in pieces]
     return dict(
         error_feedback=4 * D * sum(pieces),
         masks=8 * D * sum(ks),
-        replica=param_bytes * sum(numels) if replica else 0,
-        param_partitions=param_bytes * sum(pieces),
-        fp32_partitions=4 * sum(pieces),
-        momentum=4 * sum(pieces),
+        replica=param_bytes * (sum(numels) + sum(dense_numels)) if replica else 0,
+        param_partitions=param_bytes * sum(all_pieces),
+        fp32_partitions=4 * sum(all_pieces),
+        momentum=4 * sum(all_pieces),
     )
 
 

@@ -152,11 +152,13 @@ def _worker_zero3(rank, world_size, tmp_path, exchange):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import scape_ds
+    from scape_ds.exchange.layout import split_dense_sparse
 
     from .models import loss_fn, make_batch, make_mlp
 
     model = make_mlp(seed=5, bias=True, norm=True)
-    numels = [p.numel() for p in model.parameters()]
+    sparse, dense = split_dense_sparse(list(model.parameters()), 4096)  # biases, LayerNorm: no EF, no mask
+    numels, dense_numels = [p.numel() for p in sparse], tuple(p.numel() for p in dense)
     zero = {"stage": 3} if exchange == "sparse_replica" else {"stage": 3, "stage3_param_persistence_threshold": 0}
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9, "zero_optimization": zero,
            "optimizer": {"type": "ScapeAdamS", "params": {"lr": 1e-2}},
@@ -167,7 +169,8 @@ def _worker_zero3(rank, world_size, tmp_path, exchange):
         engine.backward(loss_fn(engine, x, y))
         engine.step()
     engine.optimizer.synchronize()
-    return engine.optimizer.memory_bytes(), scape_zero3_bytes(numels, world_size, 0.99, 4, exchange == "sparse_replica")
+    return engine.optimizer.memory_bytes(), scape_zero3_bytes(numels, world_size, 0.99, 4, exchange == "sparse_replica",
+                                                                dense_numels)
 
 
 @pytest.mark.parametrize("exchange", ["dense", "sparse_replica"])

@@ -243,8 +243,8 @@ def test_stage3_exchange_keeps_what_it_did_not_send_and_resumes_from_its_state()
     from scape_ds.exchange.stage3 import Stage3Exchange
 
     torch.manual_seed(0)
-    cfg = parse_scape_config({"sparsity": 0.75, "mask_refresh_interval": 2})
-    params = [_zero3_param(7, (4, 5)), _zero3_param(3, (8,))]
+    cfg = parse_scape_config({"sparsity": 0.75, "mask_refresh_interval": 2, "dense_numel_threshold": 0})
+    params = [_zero3_param(7, (4, 5)), _zero3_param(3, (2, 4))]
     ex = Stage3Exchange(cfg, _LoopbackComm(), params, True, torch.float32)
     assert [p.ds_id for p in ex.params] == [3, 7] and [ex.k(p) for p in ex.params] == [2, 5]
     total = {p.ds_id: torch.zeros(p.numel()) for p in params}  # every gradient so far
@@ -275,7 +275,7 @@ def test_stage3_exchange_keeps_what_it_did_not_send_and_resumes_from_its_state()
     ex.pending.wait()
     assert ex.masks[7][0].tolist() == momentum[8:].abs().topk(5).indices.sort().values.tolist()
     saved = ex.state_dict()
-    again = Stage3Exchange(cfg, _LoopbackComm(), [_zero3_param(11, (4, 5)), _zero3_param(10, (8,))], True,
+    again = Stage3Exchange(cfg, _LoopbackComm(), [_zero3_param(11, (4, 5)), _zero3_param(10, (2, 4))], True,
                            torch.float32)
     again.check_loadable(saved)
     again.load_state_dict(saved, torch.device("cpu"))
@@ -293,27 +293,76 @@ def test_stage3_state_saved_at_another_sparsity_drops_its_masks_and_keeps_the_er
     from scape_ds.exchange.stage3 import Stage3Exchange
 
     torch.manual_seed(0)
-    params = [_zero3_param(1, (40,))]
-    ex = Stage3Exchange(parse_scape_config({"sparsity": 0.9, "mask_refresh_interval": 4}), _LoopbackComm(), params,
-                        True, torch.float32)
+    params = [_zero3_param(1, (4, 10))]
+    ex = Stage3Exchange(parse_scape_config({"sparsity": 0.9, "mask_refresh_interval": 4, "dense_numel_threshold": 0}),
+                        _LoopbackComm(), params, True, torch.float32)
     momentum = torch.randn(40)
     for _ in range(2):  # a dense first step that chooses masks, then a sparse one that keeps error
         ex.begin_step()
-        params[0].grad = torch.randn(40)
+        params[0].grad = torch.randn(4, 10)
         ex.reduce_scatter_grads(ex.params, torch.float32)
         ex.end_step([(momentum, 0, ex.params[0])])
     ex.pending.wait()
     saved = ex.state_dict()
     assert saved["masks"][0].shape == (1, 4) and saved["error"][0].abs().sum() > 0
-    again = Stage3Exchange(parse_scape_config({"sparsity": 0.5, "mask_refresh_interval": 6}), _LoopbackComm(),
-                           [_zero3_param(5, (40,))], True, torch.float32)
+    cfg = parse_scape_config({"sparsity": 0.5, "mask_refresh_interval": 6, "dense_numel_threshold": 0})
+    again = Stage3Exchange(cfg, _LoopbackComm(), [_zero3_param(5, (4, 10))], True, torch.float32)
     kept = saved["error"][0].clone()  # loading on the CPU shares the tensor, which the dense step flushes
     again.load_state_dict(saved, torch.device("cpu"))
     assert again.masks == {} and again.refresh_next and torch.equal(again.error[5], kept)
     assert again.begin_step()  # dense: sends the kept error
-    again.params[0].grad = torch.zeros(40)
+    again.params[0].grad = torch.zeros(4, 10)
     (sent,) = again.reduce_scatter_grads(again.params, torch.float32)
     torch.testing.assert_close(sent, kept)
     again.end_step([(momentum, 0, again.params[0])])
     again.pending.wait()
     assert again.masks[5].shape == (1, 20)
+
+
+def test_stage3_small_and_1d_tensors_go_whole_every_step_without_error_feedback():
+    """config.py's dense_numel_threshold under ZeRO-3: 1-D tensors and tensors under the threshold are
+    reduce-scattered whole (tag dense_rs) on sparse steps too, keep no error feedback and no mask, and
+    the optimizer's sparse-step index covers their whole piece."""
+    from scape_ds.config import parse_scape_config
+    from scape_ds.exchange.stage3 import Stage3Exchange
+
+    torch.manual_seed(0)
+    cfg = parse_scape_config({"sparsity": 0.75, "mask_refresh_interval": 3, "dense_numel_threshold": 16})
+    weight, bias, small = _zero3_param(1, (4, 5)), _zero3_param(2, (5,)), _zero3_param(3, (2, 3))
+    ex = Stage3Exchange(cfg, _LoopbackComm(), [weight, bias, small], True, torch.float32)
+    assert ex.dense_ids == {2, 3} and [ex.k(p) for p in ex.params] == [5, 5, 6]
+    flat = torch.zeros(20 + 5 + 6)  # one flat fp32 partition: weight, bias, small
+    positions = [(flat, 0, weight), (flat, 20, bias), (flat, 25, small)]
+    for t in range(1, 4):
+        dense = ex.begin_step()
+        assert dense == (t == 1)
+        for p in ex.params:
+            p.grad = torch.randn(p.shape)
+        parts = ex.reduce_scatter_grads(ex.params, torch.float32)
+        for p, part in zip(ex.params[1:], parts[1:]):  # the mean (one rank: the gradient itself), whole
+            assert torch.equal(part, p.grad.reshape(-1))
+        assert set(ex.error) == {1} and set(ex.masks) <= {1}
+        if not dense:
+            index = ex.flat_indices(positions)[id(flat)]
+            assert index.tolist() == ex.masks[1][0].tolist() + list(range(20, 31))
+        ex.end_step((torch.randn(31), offset, p) for _, offset, p in positions)
+        by_tag = ex.comm_stats["by_tag"]
+        assert by_tag["dense_rs"] == 4 * 11 and by_tag["grad_rs"] == 4 * (20 if dense else 5), by_tag
+        ex.pending.wait()
+    saved = ex.state_dict()
+    assert list(saved["error"]) == [0] and list(saved["masks"]) == [0]
+
+
+def test_stage3_all_dense_model_never_chooses_masks():
+    from scape_ds.config import parse_scape_config
+    from scape_ds.exchange.stage3 import Stage3Exchange
+
+    p = _zero3_param(4, (6,))
+    ex = Stage3Exchange(parse_scape_config({"sparsity": 0.99, "mask_refresh_interval": 2}), _LoopbackComm(), [p],
+                        True, torch.float32)
+    for _ in range(3):
+        assert ex.begin_step()  # no mask ever: every step dense
+        p.grad = torch.randn(6)
+        ex.reduce_scatter_grads([p], torch.float32)
+        ex.end_step([(torch.randn(6), 0, p)])
+    assert ex.masks == {} and ex.error == {} and ex.comm_stats["by_tag"] == {"dense_rs": 24}
