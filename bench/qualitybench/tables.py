@@ -7,6 +7,7 @@ import math
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 
 from .runs import (
     COMPARISON,
@@ -28,26 +29,29 @@ from .runs import (
 )
 
 
-def _read_run(out_dir: str, rid: str) -> tuple[dict, list[dict]] | None:
-    """A finished run's summary ``<rid>.json`` and per-step rows ``<rid>.jsonl`` (None: no summary)."""
-    path = os.path.join(out_dir, f"{rid}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        summary = json.load(f)
-    with open(os.path.join(out_dir, f"{rid}.jsonl"), encoding="utf-8") as f:
-        return summary, [json.loads(line) for line in f if line.strip()]
+def _finished_runs(out_dir: str, run_ids) -> Iterator[tuple[str, dict, list[dict]]]:
+    """``(run id, summary, per-step rows)`` of each run in ``run_ids`` that has its summary ``<id>.json``
+    in ``out_dir`` (the rows from ``<id>.jsonl``); the others are skipped."""
+    for rid in run_ids:
+        path = os.path.join(out_dir, f"{rid}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+        with open(os.path.join(out_dir, f"{rid}.jsonl"), encoding="utf-8") as f:
+            yield rid, summary, [json.loads(line) for line in f if line.strip()]
+
+
+def _curve(rows: list[dict]) -> list[tuple[int, float]]:
+    """[(step, val_loss)] of the per-step rows that have a validation loss."""
+    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
 
 
 def load_results(run_ids: list[str], out_dir: str) -> dict[str, dict]:
     """Summaries of the finished runs among ``run_ids``, each with ``curve`` [(step, val_loss)] and ``losses``."""
     results = {}
-    for rid in run_ids:
-        found = _read_run(out_dir, rid)
-        if found is None:
-            continue
-        res, rows = found
-        res["curve"] = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    for rid, res, rows in _finished_runs(out_dir, run_ids):
+        res["curve"] = _curve(rows)
         res["losses"] = [r["loss"] for r in rows]
         results[rid] = res
     return results
@@ -62,11 +66,7 @@ def import_legacy(legacy_dir: str) -> dict[str, dict]:
                 **{n: "python bench/quality.py --runs lr1e-3" for n in LR_CHECK + SWEEP_LR1E3},
                 **{n: "python bench/quality.py --runs lr_high" for n in LR_HIGH}}
     results = {}
-    for name in RUNS:
-        found = _read_run(legacy_dir, name)
-        if found is None:
-            continue
-        old, rows = found
+    for name, old, rows in _finished_runs(legacy_dir, RUNS):
         opts = resolve_opts(**{k: v for k, v in old["opts"].items() if k in DEFAULTS or k == "train_iters"})
         with open(os.path.join(legacy_dir, f"{name}.ds_config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
@@ -80,7 +80,7 @@ def import_legacy(legacy_dir: str) -> dict[str, dict]:
                             val_loss=old["val_loss"], bytes_frac=old["bytes_sent"] / old["bytes_dense"],
                             wall_s=old["wall_s"], git_rev=rev[-1] if rev else "", torch="", deepspeed="",
                             command=commands.get(name, ""),
-                            curve=[(r["step"], r["val_loss"]) for r in rows if "val_loss" in r])
+                            curve=_curve(rows))
     return results
 
 
