@@ -98,7 +98,20 @@ ROWS.update({f"SCAPE {s} hier": {"optimizer": {"type": "ScapeAdamS", "params": O
 ROWS.update({f"SCAPE {s} dct": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                  "scape": {"sparsity": s, "basis": "dct", "mask": "per_rank", "clip_local": 1.0,
                                            "ef_decay": 0.999}} for s in (0.9, 0.99)})
+# scape.overlap (--overlap): the bucketed exchange beside the same SCAPE rows, and dense AdamW at the
+# settings a user would run it with overlap: DeepSpeed ZeRO-1 with overlap_comm, and torch DDP
+# (bucketed all-reduce from autograd hooks, its default 25 MB buckets)
+ROWS.update({f"SCAPE {s} overlap": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                                     "scape": {"sparsity": s, "mask_refresh_interval": 100, "overlap": True}}
+             for s in (0.9, 0.99)})
+ROWS["dense AdamW ZeRO-1 overlap_comm"] = {"optimizer": {"type": "AdamW", "params": {**OPT, "torch_adam": True}},
+                                           "zero_optimization": {"stage": 1, "overlap_comm": True,
+                                                                 "reduce_bucket_size": 25 * 2**20 // 4,
+                                                                 "allgather_bucket_size": 25 * 2**20 // 4}}
+ROWS["dense AdamW DDP"] = {}  # torch DDP + torch.optim.AdamW, built by _Row itself
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
+OVERLAP_ROWS = ["dense AdamW", "dense AdamW ZeRO-1 overlap_comm", "dense AdamW DDP", "SCAPE 0.9", "SCAPE 0.9 overlap",
+                "SCAPE 0.99", "SCAPE 0.99 overlap"]
 DCT_ROWS = ["dense AdamW", "SCAPE 0.99", "SCAPE 0.99 dct", "SCAPE 0.9", "SCAPE 0.9 dct"]
 HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
@@ -127,6 +140,33 @@ class DeepSpeedAllGatherBytes:
             setattr(cdb, name, counted)
 
 
+class _DDPEngine:
+    """torch DDP with torch.optim.AdamW, called like a DeepSpeed engine (``engine(x, y)``,
+    ``backward``, ``step``): its bucketed all-reduce runs from autograd hooks during backward."""
+
+    def __init__(self, model, opt: dict, clip: float):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(model)
+        self.module, self.clip = model, clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
+                                     weight_decay=opt["weight_decay"])
+
+    def __call__(self, *a):
+        return self.ddp(*a)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        import torch
+
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+
 class _Row:
     """One optimizer config's engine and its timed steps (``worker``'s unit; built inside the ranks)."""
 
@@ -146,10 +186,13 @@ class _Row:
         self.model = GPT(GPTConfig(**shape))
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {**BASE, **extra, "train_micro_batch_size_per_gpu": args.micro_batch}
-        self.engine, *_ = scape_ds.initialize(model=self.model, config=config)
-        self.opt = scape_optimizer(self.engine)
+        if name == "dense AdamW DDP":
+            self.engine = _DDPEngine(self.model, OPT, BASE["gradient_clipping"])
+        else:
+            self.engine, *_ = scape_ds.initialize(model=self.model, config=config)
+        self.opt = scape_optimizer(self.engine) if name != "dense AdamW DDP" else None
         self.dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
-        self.zero3 = "zero_optimization" in extra
+        self.zero3 = extra.get("zero_optimization", {}).get("stage") == 3
         if self.zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
             self.dense_bytes = sum(collective_bytes("reduce_scatter", 4 * world * -(-p.ds_numel // world), world)
                                    for p in self.engine.module.parameters())
@@ -254,10 +297,40 @@ def worker(args) -> None:
             results["rows"][name] = row.result()
             del row
     results["compute_s"] = statistics.median(compute)
+    if args.trace and args.interleave:  # two more steps of the last row, profiled on rank 0
+        trace_step(rows[-1], args.warmup + args.steps, args.trace if rank == 0 else None)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def trace_step(row, s: int, path: str | None) -> None:
+    """Run step ``s`` of ``row`` with ``forward``/``backward``/``step`` marked; with ``path``, under
+    torch.profiler, written there as a Chrome trace (gloo's collectives appear on their threads)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x, y = row.batch(s)
+    dist.barrier()
+    prof = profile(activities=[ProfilerActivity.CPU]) if path else contextlib.nullcontext()
+    with prof:
+        for _ in range(2):  # the second step's forward waits for the first step's broadcasts
+            with record_function("forward"):
+                _, loss = row.engine(x, y)
+            with record_function("backward"):
+                row.engine.backward(loss)
+            with record_function("step"):
+                row.engine.step()
+        with record_function("forward"):
+            row.engine(x, y)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        prof.export_chrome_trace(path)
+    del torch
 
 
 def cluster_rows(args) -> list[str]:
@@ -265,6 +338,8 @@ def cluster_rows(args) -> list[str]:
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
     if args.hier:
         return list(HIER_ROWS)
+    if args.overlap:
+        return list(OVERLAP_ROWS)
     if args.dct:
         return list(DCT_ROWS)
     rows = list(CLUSTER_ROWS)
@@ -288,6 +363,8 @@ def run_setting(nodes: int, rate: str, args) -> dict:
             cmd += ["--refresh-every", str(args.refresh_every)]
         if args.interleave:
             cmd += ["--interleave"]
+        if args.trace:
+            cmd += ["--trace", os.path.abspath(args.trace)]
         # its default port, inside namespaces it has just made; G ranks per node share its namespace
         with Cluster(nodes, rate, args.delay, ranks_per_node=args.ranks_per_node) as c:
             env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
@@ -381,6 +458,20 @@ def report(all_res: list[dict]) -> str:
             lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {sent / 1e6:.2f} | "
                          f"{ref / r['step_s']:.2f}x | {vs_z3} | {floor * 1e3:.0f} | {r['step_s'] / floor:.2f} | "
                          f"{vs_torch} |")
+    return "\n".join(lines)
+
+
+def overlap_report(all_res: list[dict]) -> str:
+    """The --overlap table: each row against the compute-only step (forward + backward, no exchange,
+    no optimizer step) measured in the same job; exposed = step - compute-only."""
+    lines = ["| nodes | link | row | step ms | compute-only ms | step / compute-only | exposed ms | MB sent/step | "
+             "speedup vs dense AdamW |", "|---|---|---|---|---|---|---|---|---|"]
+    for res in all_res:
+        ref, c = res["rows"]["dense AdamW"]["step_s"], res["compute_s"]
+        for name, r in res["rows"].items():
+            lines.append(f"| {res['nodes']} | {res['rate']} | {name} | {r['step_s'] * 1e3:.0f} | {c * 1e3:.0f} | "
+                         f"{r['step_s'] / c:.2f} | {(r['step_s'] - c) * 1e3:.0f} | {r['bytes'] / 1e6:.2f} | "
+                         f"{ref / r['step_s']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -498,6 +589,12 @@ def main() -> int:
     ap.add_argument("--ranks-per-node", type=int, default=1, help="G ranks sharing each node's namespace")
     ap.add_argument("--dct", action="store_true",
                     help="cluster run: SCAPE 0.9 and 0.99 with basis 'dct' beside the coordinate basis, interleaved")
+    ap.add_argument("--overlap", action="store_true",
+                    help="cluster run: scape.overlap beside the same SCAPE rows, dense AdamW with ZeRO-1 "
+                         "overlap_comm and with torch DDP, interleaved; the overlap table")
+    ap.add_argument("--trace", default=None,
+                    help="after the timed steps, profile two more steps of the last row on rank 0 and write "
+                         "this Chrome trace (e.g. runs/overlap_trace.json)")
     ap.add_argument("--refresh-every", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--interleave", action="store_true",
                     help="build every row's engine first, then time step s of every row before step s+1 "
@@ -518,7 +615,7 @@ def main() -> int:
         args.rows = ",".join(HIER_ROWS)
         args.refresh_every = args.refresh_every or 4
         args.interleave = True
-    if args.dct:
+    if args.dct or args.overlap:
         args.interleave = True
     if args.worker:
         worker(args)
@@ -534,6 +631,9 @@ def main() -> int:
             print(hier_report(all_res, args.period))
             hier_plot(all_res, args.period, _png_for(args.out))
             return 0
+        if args.overlap:
+            print(overlap_report(all_res))
+            return 0
         print(report(all_res))
         plot(all_res, os.path.join(os.path.dirname(args.out), "step_time.png"))
         return 0
@@ -548,7 +648,8 @@ def main() -> int:
         for rate in args.rates.split(","):
             print(f"-- {nodes} nodes, {rate} ...", flush=True)
             all_res.append(run_setting(nodes, rate, args))
-            print(hier_report(all_res[-1:], args.period) if args.hier else report(all_res[-1:]), flush=True)
+            table = hier_report if args.hier else (overlap_report if args.overlap else report)
+            print(table(all_res[-1:], args.period) if args.hier else table(all_res[-1:]), flush=True)
     with open(args.out, "w") as f:
         json.dump(all_res, f, indent=1)
     if args.hier:
@@ -557,6 +658,10 @@ def main() -> int:
         hier_plot(all_res, args.period, png)
         print(f"compute (no exchange) per step: {all_res[0]['compute_s'] * 1e3:.0f} ms; "
               f"results: {args.out}, plot: {png}")
+        return 0
+    if args.overlap:
+        print(overlap_report(all_res))
+        print(f"results: {args.out}")
         return 0
     print(report(all_res))
     png = os.path.join(os.path.dirname(args.out), "step_time.png")

@@ -184,6 +184,25 @@ class ScapeConfig(BaseModel):
     """``basis="dct"``: the error feedback is ``e = ef_decay * e + Q g`` (DeMo: 0.999); 1.0 keeps every
     unsent coefficient exactly (sent + kept == accumulated). In (0, 1]."""
 
+    overlap: bool = False
+    """Overlap the exchange with compute (docs/design.md, "Overlap"): the sparse-exchanged gradients
+    are cut into buckets of ``bucket_mb`` that each lie in one owner's shard; a bucket is packed at the
+    mask with its error feedback and reduced to its owner (asynchronously) as soon as backward has
+    produced its last gradient, on the micro-batch that ends the accumulation; the step waits for
+    them, updates, and starts one asynchronous broadcast of new values per bucket; the next forward
+    waits per module (forward pre-hooks) for the buckets of its own parameters. Bytes equal the
+    non-overlapped path's, parameters too (bitwise at 2 ranks; at more ranks the order of the sum
+    can differ in the last bit). Coordinate basis, hierarchy "flat", update_rule "lazy", no
+    ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1 without pipeline parallelism; refused in
+    one line elsewhere. Parameters read outside a forward after ``step()`` need
+    ``optimizer.synchronize()`` first (checkpoint saves call it). Off by default until the rest of
+    the paths have it."""
+
+    bucket_mb: float = 25.0
+    """``overlap``: megabytes of gradient (in the compute dtype) per bucket, as DDP's ``bucket_cap_mb``;
+    smaller buckets start sooner and cost more collectives. Rounded to whole chunks and cut at owner
+    boundaries. > 0."""
+
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
 
@@ -211,9 +230,9 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
-    @field_validator("catchup_gain")
+    @field_validator("catchup_gain", "bucket_mb")
     @classmethod
-    def _check_gain(cls, v: float) -> float:
+    def _check_positive(cls, v: float) -> float:
         if not v > 0:
             raise ValueError(f"must be > 0, got {v}")
         return v
@@ -282,6 +301,13 @@ class ScapeConfig(BaseModel):
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if bad:
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
+        if self.overlap:
+            settings = dict(basis=(self.basis, "coordinate"), hierarchy=(self.hierarchy, "flat"),
+                            update_rule=(self.update_rule, "lazy"), reselect_interval=(self.reselect_interval, 0),
+                            clip_local=(self.clip_local, 0.0))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if bad:
+                raise ValueError("scape.overlap is built for the coordinate exchange only so far: " + ", ".join(bad))
         if self.update_rule == "sign_drift" and not 1 <= self.drift_steps < self.mask_refresh_interval:
             raise ValueError(f"drift_steps must be in [1, mask_refresh_interval={self.mask_refresh_interval}), "
                              f"got {self.drift_steps}")

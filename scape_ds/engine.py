@@ -213,6 +213,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                 or getattr(grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1):
             raise ValueError("scape.basis 'dct' is not verified under tensor or pipeline parallelism yet (no test "
                              "runs it there): use basis 'coordinate' with model parallelism")
+        if scape_cfg.overlap and (_is_pipeline(model) or (grid is not None and getattr(
+                grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1)):
+            raise ValueError("scape.overlap is not built for pipeline parallelism (its engine runs backward per "
+                             "micro-batch in its own schedule): set overlap false with pipeline stages")
 
         def build_optimizer(params):
             # a PipelineModule brings its own grid (DeepSpeed uses it as the mpu)
@@ -252,6 +256,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if hasattr(engine, "pipeline_enable_backward_allreduce"):
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
         route_checkpoints(engine)  # every rank's SCAPE state in DeepSpeed's own save/load (the HF Trainer's)
+        if scape_cfg.overlap:  # the forward waits per module for new values; backward sends at the boundary
+            engine.optimizer.attach_model(engine.module, engine.is_gradient_accumulation_boundary)
     from .checkpoint.files import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True

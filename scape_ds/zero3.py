@@ -118,6 +118,9 @@ def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
     if scape.error_feedback_dtype != "fp32":
         raise ValueError(f"scape.error_feedback_dtype {scape.error_feedback_dtype!r} is for ZeRO stage 0/1; "
                          f"under ZeRO stage 3 it must be 'fp32'")
+    if scape.overlap:
+        raise ValueError("scape.overlap is built for ZeRO stage 0/1 (ScapeAdamS) so far; under ZeRO stage 3 set "
+                         "overlap false")
 
 
 _EVERYTHING = sys.maxsize

@@ -85,10 +85,12 @@ def save_checkpoint(engine, save_dir: str, step: int | None = None, client_state
     """
     tag = f"global_step{step}" if tag is None else str(tag)
     tag_dir = os.path.join(save_dir, tag)
+    opt = scape_optimizer(engine)
+    if opt is not None and hasattr(opt, "synchronize"):
+        opt.synchronize()  # scape.overlap: the model's new values may still be in flight
     try:
         inspect.unwrap(engine.save_checkpoint)(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
                                                exclude_frozen_parameters=exclude_frozen_parameters)
-        opt = scape_optimizer(engine)
         if opt is not None and not is_scape_stage3(opt):  # ZeRO-3: in DeepSpeed's optimizer files
             os.makedirs(tag_dir, exist_ok=True)
             atomic_torch_save(opt.state_dict(), _scape_file(tag_dir, opt))

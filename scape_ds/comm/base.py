@@ -49,5 +49,13 @@ class Communicator(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> None:
         """In-place copy of group rank ``src``'s ``tensor`` to every rank."""
 
+    def reduce_async(self, tensor: torch.Tensor, dst: int, tag: str) -> Work:
+        """Sum of every rank's ``tensor`` into group rank ``dst``'s, in place, without waiting; the
+        other ranks' ``tensor`` is undefined afterwards (a backend may use it as scratch)."""
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, tag: str) -> Work:
+        """Like :meth:`broadcast`, returning a handle; ``tensor`` is valid after ``wait()``. Counted as
+        ``broadcast_all`` (what every receiver gets), not as a one-off broadcast."""
+
     def barrier(self) -> None:
         """Block until every rank arrives."""

@@ -7,6 +7,11 @@ use for large messages, per rank and per collective of D ranks:
   all_reduce      2 * (D - 1) * bytes / D          (a reduce-scatter then an all-gather)
   all_to_all      (D - 1) * input bytes / D
   broadcast       bytes on the root, 0 elsewhere (counted once, at the root)
+  reduce          bytes on every rank but the root (each sends its part once), 0 on the root
+  broadcast_all   (D - 1) * bytes on the root (each other rank receives them once, whatever the
+                  tree), 0 elsewhere
+The last two serve the bucketed exchange (``scape.overlap``), where every bucket lies in one owner's
+shard: summed over the owners' buckets they equal the reduce-scatter's and all-gather's counts.
 """
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ def collective_bytes(kind: str, nbytes: int, world_size: int, is_root: bool = Fa
         return 2 * (d - 1) * nbytes // d
     if kind == "broadcast":
         return nbytes if is_root else 0
+    if kind == "reduce":
+        return 0 if is_root else nbytes
+    if kind == "broadcast_all":
+        return (d - 1) * nbytes if is_root else 0
     raise ValueError(f"unknown collective {kind!r}")
 
 

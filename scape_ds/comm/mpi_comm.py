@@ -158,6 +158,24 @@ class MPICommunicator:
         if staged:
             tensor.copy_(h)
 
+    def reduce_async(self, tensor: torch.Tensor, dst: int, tag: str) -> _Request:
+        root = self.rank == dst
+        self.meter.record(tag, collective_bytes("reduce", self._nbytes(tensor), self.world_size, root))
+        h, staged = self._host(tensor)
+        # the root reduces in place; MPI forbids aliased send and receive buffers, so say IN_PLACE
+        send, recv = (self._MPI.IN_PLACE, self._buf(h, True)) if root else (self._buf(h, True), None)
+        req = self.comm.Ireduce(send, recv, op=self._MPI.SUM, root=dst)
+        finish = (lambda: tensor.copy_(h)) if staged and root else None
+        return _Request(req, (h,), finish)
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, tag: str) -> _Request:
+        self.meter.record(tag, collective_bytes("broadcast_all", self._nbytes(tensor), self.world_size,
+                                                self.rank == src))
+        h, staged = self._host(tensor)
+        req = self.comm.Ibcast(self._buf(h), root=src)
+        finish = (lambda: tensor.copy_(h)) if staged and self.rank != src else None
+        return _Request(req, (h,), finish)
+
     def barrier(self) -> None:
         self.comm.Barrier()
 

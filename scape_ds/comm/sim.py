@@ -69,5 +69,16 @@ class SimulatedCommunicator:
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> None:
         self._count("broadcast", tensor, tag)
 
+    def reduce_async(self, tensor: torch.Tensor, dst: int, tag: str) -> _Done:
+        self.meter.record(tag, collective_bytes("reduce", tensor.numel() * tensor.element_size(), self.world_size,
+                                                self.rank == dst))
+        tensor.mul_(self.world_size)  # D equal terms (on the root; elsewhere the result is undefined)
+        return _Done()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, tag: str) -> _Done:
+        self.meter.record(tag, collective_bytes("broadcast_all", tensor.numel() * tensor.element_size(),
+                                                self.world_size, self.rank == src))
+        return _Done()
+
     def barrier(self) -> None:
         return None

@@ -81,5 +81,16 @@ class TorchCommunicator:
         self.meter.record(tag, collective_bytes("broadcast", self._nbytes(tensor), self.world_size, self.rank == src))
         dist.broadcast(tensor, src=self._src_global[src], group=self.group)
 
+    def reduce_async(self, tensor: torch.Tensor, dst: int, tag: str):
+        self._check(tag, tensor)
+        self.meter.record(tag, collective_bytes("reduce", self._nbytes(tensor), self.world_size, self.rank == dst))
+        return dist.reduce(tensor, dst=self._src_global[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int, tag: str):
+        self._check(tag, tensor)
+        self.meter.record(tag, collective_bytes("broadcast_all", self._nbytes(tensor), self.world_size,
+                                                self.rank == src))
+        return dist.broadcast(tensor, src=self._src_global[src], group=self.group, async_op=True)
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)

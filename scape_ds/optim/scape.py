@@ -53,6 +53,7 @@ from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
 from .dct_step import decode_dct, exchange_dct
+from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
 __all__ = ["ScapeAdamS"]
@@ -88,6 +89,7 @@ class _GroupState:
     window_decay: list[float] = field(default_factory=lambda: [1.0])  # reselect: prod of 1 - lr*wd in the window
     tiles: TileLayout | None = None  # basis "dct": where each weight's tiles lie in the coefficient buffer
     dct_q: torch.Tensor | None = None  # basis "dct": (t, t) fp32 the DCT-II matrix
+    overlap: OverlapExchange | None = None  # scape.overlap: the bucketed exchange of the sparse params
 
 
 class ScapeAdamS(Optimizer):
@@ -157,6 +159,8 @@ class ScapeAdamS(Optimizer):
         self._refresh_next = False  # the next step is a dense refresh (no mask: after an elastic load)
         self._last_dense = 0  # the step of the last dense exchange (update rules: the window it closes)
         self._dense_steps = 0  # dense exchanges so far
+        self._model = None  # scape.overlap: the model whose forward waits for new values (attach_model)
+        self._is_boundary = None  # scape.overlap: whether a backward ends the gradient accumulation
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
@@ -225,6 +229,8 @@ class ScapeAdamS(Optimizer):
                 elif self.cfg.update_rule == "sign_drift":
                     gs.drift_sign = torch.zeros(layout.padded_numel, dtype=torch.int8, device=device)  # (N_pad,)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
+                if self.cfg.overlap:  # buckets of bucket_mb in the compute dtype
+                    gs.overlap = OverlapExchange(self, gs, int(self.cfg.bucket_mb * 2**20) // flat.element_size())
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
                 node.broadcast(p.data, "init")
@@ -232,6 +238,36 @@ class ScapeAdamS(Optimizer):
                 state["momentum"] = torch.zeros_like(p, dtype=_state_dtype(p.dtype))
                 gs.dense_momenta.append(state["momentum"])
             self._groups.append(gs)
+        self._install_overlap()
+
+    def attach_model(self, model: torch.nn.Module, is_boundary=None) -> None:
+        """``scape.overlap``: let ``model``'s forward wait per module for the new values of its own
+        parameters (otherwise ``step()`` waits for all of them), and ``is_boundary()`` say whether the
+        backward under way ends the gradient accumulation (DeepSpeed's
+        ``engine.is_gradient_accumulation_boundary``; default: every backward does). A parameter used
+        in the forward of a module that does not hold it must be waited for with :meth:`synchronize`."""
+        self._model, self._is_boundary = model, is_boundary
+        self._install_overlap()
+
+    def _install_overlap(self) -> None:
+        for gs in self._groups or []:
+            if gs.overlap is not None:
+                gs.overlap.remove()
+                gs.overlap.install(self._model)
+                if self._is_boundary is not None:
+                    gs.overlap.is_boundary = self._is_boundary
+
+    def next_step_dense(self) -> bool:
+        """Whether the next ``step()`` exchanges densely (a refresh, or the first step after an
+        elastic load)."""
+        return self._refresh_next or self.schedule.is_dense(self._step + 1)
+
+    def start_ready_buckets(self) -> None:
+        """``scape.overlap``: start the complete buckets, group after group (every rank issues the same
+        collectives in the same order)."""
+        for gs in self._groups:
+            if gs.overlap is not None and not gs.overlap.start_ready():
+                return
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -242,6 +278,9 @@ class ScapeAdamS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._lazy_init()
+        for gs in self._groups:
+            if gs.overlap is not None:  # the last step's broadcasts a forward did not wait for
+                gs.overlap.wait_params()
         self._step += 1
         t = self._step
         if self.cfg.clip_local > 0:
@@ -255,6 +294,11 @@ class ScapeAdamS(Optimizer):
         R = self.cfg.reselect_interval
         reselect = R > 0 and not dense_step and (t - self._last_dense) % R == 0 and not self.schedule.is_dense(t + 1)
         meter = self.comm.meter
+        if self.cfg.overlap:  # what backward did not start starts now, before any other collective
+            for gs in self._groups:
+                if gs.overlap is not None:
+                    gs.overlap.complete(dense_step)
+            self.start_ready_buckets()
         reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
         scale = self._clip_coefficient(reduced)
         for group, gs, (sparse_g, dense_g) in zip(self.param_groups, self._groups, reduced):
@@ -269,6 +313,9 @@ class ScapeAdamS(Optimizer):
             meter.record_dense(inter)
             if self._node.meter is not None:
                 self._node.meter.record_dense(intra)
+        for gs in self._groups:
+            if gs.overlap is not None:
+                gs.overlap.end_grads()
         if dense_step:
             self._last_dense, self._dense_steps = t, self._dense_steps + 1
         stats = step_comm_stats(meter, t, dense_step, self._node.meter)
@@ -421,6 +468,10 @@ class ScapeAdamS(Optimizer):
         dense_g = self._reduce_dense(gs)
         if gs.flat_param is None:
             return sparse_g, dense_g
+        if gs.overlap is not None:  # the reduces to the owners, started in backward
+            gs.grad_divisor = float(D) if dense_step else 1.0
+            sparse_g = gs.overlap.wait_grads()  # (S,) sum, or (k,) sum at the mask
+            return (sparse_g if dense_step else sparse_g.to(gs.master.dtype).div_(D)), dense_g
         kern = self._kernels
         self._attach_grads(gs)  # normally a no-op: backward accumulated into the views
         self._node.reduce_grads(gs.flat_grad, gs.grad_slice)  # node sum of this rank's slice (flat: nothing)
@@ -535,7 +586,10 @@ class ScapeAdamS(Optimizer):
                 if out is not None:
                     out.copy_(gs.master)
             # every rank's new shard, gathered in place: this rank's is already where it belongs
-            self.comm.all_gather(gs.param_slice, shard, "param_ag")
+            if gs.overlap is not None:
+                gs.overlap.start_params(dense=True)  # a broadcast per bucket, waited for by the forward
+            else:
+                self.comm.all_gather(gs.param_slice, shard, "param_ag")
             self._node.gather_params(gs.flat_param, gs.param_slice)  # then every slice inside the node
             if gs.drift_sign is not None:  # update_rule "sign_drift": every rank gets sign(m), one bit each
                 self._gather_signs(gs)
@@ -546,17 +600,23 @@ class ScapeAdamS(Optimizer):
                 self._drift(gs, drift_coefficient(lr, beta1, beta2))
             K = gs.active_index.numel()
             k = K // D
-            new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
+            if gs.overlap is not None:  # (k,) this rank's part of the buffer the broadcasts send
+                new = gs.overlap.new_values()
+            else:
+                new = torch.empty(k, dtype=gs.flat_param.dtype, device=gs.flat_param.device)  # (k,)
             if gs.decay_mark is not None:  # reselect: the mask's decay since each coordinate's last update
                 gs.window_decay.append(gs.window_decay[-1] * (1.0 - lr * wd))
                 self._catch_up_decay(gs, gs.active_local)
                 hyper = dict(hyper, weight_decay=0.0)
             self._kernels.masked_adams_update(gs.master, gs.momentum, gs.active_local, sparse_g, new, bias_correction=c,
                                               **hyper)
-            values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
-            self.comm.all_gather(values, new, "param_ag")
-            values = self._node.gather_values(values)  # (G K,) every slice's, in the node
-            self._kernels.scatter_values(gs.flat_param, gs.node_index, values)
+            if gs.overlap is not None:
+                gs.overlap.start_params(dense=False)  # a broadcast per bucket, scattered when waited for
+            else:
+                values = torch.empty(K, dtype=new.dtype, device=new.device)  # (K,)
+                self.comm.all_gather(values, new, "param_ag")
+                values = self._node.gather_values(values)  # (G K,) every slice's, in the node
+                self._kernels.scatter_values(gs.flat_param, gs.node_index, values)
             if gs.decay_mark is None:  # reselect keeps its decay in the marks, not in one debt
                 gs.decay_debt = owe_decay(gs.decay_debt, lr, wd)
 
@@ -641,9 +701,13 @@ class ScapeAdamS(Optimizer):
         return total, self._node.dense_bytes(padded, b, sum(p.numel() for p in gs.dense_params))
 
     def synchronize(self) -> None:
-        """Wait for every mask all-gather still in flight; call before destroying the process group."""
+        """Wait for every collective still in flight (mask all-gathers; under ``scape.overlap`` the
+        broadcasts of new values); call before reading parameters outside a forward, saving, or
+        destroying the process group."""
         for gs in self._groups or []:
             gs.pending.wait()
+            if gs.overlap is not None:
+                gs.overlap.wait_params()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by buffer, summed over param groups (``scape_ds.optim.memory`` has the
@@ -703,9 +767,9 @@ class ScapeAdamS(Optimizer):
         The state is sharded: each data-parallel rank saves and loads its own.
         """
         self._lazy_init()
+        self.synchronize()  # masks and (scape.overlap) new values in flight
         groups = []
         for gs in self._groups:
-            gs.pending.wait()
             groups.append(dict(
                 master=_clone(gs.master), momentum=_clone(gs.momentum), error=_clone(gs.error),
                 active_offsets=_clone(gs.active_offsets), decay_debt=gs.decay_debt,
@@ -750,6 +814,10 @@ class ScapeAdamS(Optimizer):
                              f"{sc['config'].get('reselect_interval', 0)}, this run has {self.cfg.reselect_interval}: "
                              f"their weight-decay states differ; resume with both 0 or both > 0")
         self._lazy_init()
+        for gs in self._groups:
+            if gs.overlap is not None:  # nothing of the old state stays in flight
+                gs.overlap.wait_params()
+                gs.overlap.end_grads()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):

@@ -65,6 +65,8 @@ def _train(backend: str, scape: dict, steps: int, dtype=torch.float32, group=Non
     comm = build_communicator(backend, group)
     opt = ScapeAdamS(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, comm=comm,
                      scape=dict(chunk_size=256, dense_numel_threshold=1024, comm_backend=backend, **scape))
+    if scape.get("overlap"):
+        opt.attach_model(model)  # the forward waits per layer for its new values
     per_step, equal = [], []
     rank = comm.rank
     for step in range(steps):
@@ -73,6 +75,8 @@ def _train(backend: str, scape: dict, steps: int, dtype=torch.float32, group=Non
         loss_fn(model, x, y).backward()
         opt.step()
         per_step.append(int(opt.comm_stats["bytes_sent"]))
+        if scape.get("overlap"):
+            opt.synchronize()  # read outside a forward: wait for the new values in flight
         equal.append(_all_equal(flat_params(model), check_comm))
     opt.synchronize()
     return model, per_step, equal
@@ -89,6 +93,17 @@ def case_replicas() -> dict:
         assert bytes_mpi == bytes_torch, (name, bytes_mpi, bytes_torch)
         out[name] = dict(bytes_mpi=bytes_mpi, bytes_torch=bytes_torch, steps=len(eq_mpi))
     return out
+
+
+def case_overlap() -> dict:
+    """scape.overlap over MPI (Ireduce / Ibcast per bucket) against the torch backend without it."""
+    scape = dict(sparsity=0.99, mask_refresh_interval=4)
+    model_mpi, bytes_mpi, eq_mpi = _train("mpi", dict(scape, overlap=True, bucket_mb=3 * 256 * 4 / 2**20), 12)
+    model_torch, bytes_torch, _ = _train("torch", scape, 12)
+    assert all(eq_mpi), f"replicas differ at steps {[i for i, e in enumerate(eq_mpi) if not e]}"
+    assert bytes_mpi == bytes_torch, (bytes_mpi, bytes_torch)
+    diff = float((flat_params(model_mpi) - flat_params(model_torch)).abs().max())
+    return dict(max_diff=max(WORLD.allgather(diff)), bytes=bytes_mpi)
 
 
 def case_dense() -> dict:

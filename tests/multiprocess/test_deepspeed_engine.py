@@ -468,6 +468,10 @@ def test_cpu_engine_skips_deepspeeds_unused_shm_op_build(tmp_path):
     (lambda c: c["scape"].update(sparsityy=0.5), "scape.sparsityy: unknown field"),
     (lambda c: c["optimizer"]["params"].update(momentum=0.9), "unknown ['momentum']"),
     (lambda c: c["optimizer"].update(type="AdamW"), "'scape' block but optimizer.type is 'AdamW'"),
+    (lambda c: c.update(zero_optimization={"stage": 3}) or c["scape"].update(overlap=True),
+     "scape.overlap is built for ZeRO stage 0/1"),
+    (lambda c: c["scape"].update(overlap=True, basis="dct"), "scape.overlap is built for the coordinate exchange"),
+    (lambda c: c["scape"].update(overlap=True, bucket_mb=0), "scape.bucket_mb: must be > 0"),
 ])
 def test_unsupported_combinations_fail_at_initialize(edit, message):
     import scape_ds

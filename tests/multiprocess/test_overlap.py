@@ -1,0 +1,188 @@
+"""scape.overlap on 2-4 gloo ranks: the bucketed exchange gives the non-overlapped path's parameters,
+error feedback and bytes, on every rank alike; gradient accumulation; unused parameters; resume."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scape_ds.optim import ScapeAdamS
+
+from .harness import run_ranks
+from .models import flat_params, make_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+BUCKET_MB = 3 * 256 * 4 / 2**20  # three chunks of 256 fp32 values: many buckets on a small model
+
+
+class _Net(nn.Module):
+    """Three sparse-exchanged weights and dense-exchanged biases and norm; ``skip`` leaves the middle
+    layer without a gradient (its buckets then start in step(), not in backward)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.b = nn.Linear(128, 128)
+        self.c = nn.Linear(128, 64)
+
+    def forward(self, x, skip: bool = False):
+        h = torch.nn.functional.gelu(self.norm(self.a(x)))
+        if not skip:
+            h = h + torch.tanh(self.b(h))
+        return self.c(h)
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _build(seed, scape, overlap, hooked, is_boundary=None, lr=1e-2):
+    model = _Net(seed)
+    opt = ScapeAdamS(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0,
+                     scape=dict(scape, overlap=overlap, bucket_mb=BUCKET_MB))
+    if overlap and hooked:
+        opt.attach_model(model, is_boundary)
+    return model, opt
+
+
+def _train(model, opt, rank, steps, first=0, accumulation=1, skip_every=0, micro=None):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for m in range(accumulation):
+            if micro is not None:
+                micro[0] = m
+            x, y = make_batch(step * accumulation + m, rank)
+            skip = bool(skip_every) and step % skip_every == 0
+            (torch.nn.functional.mse_loss(model(x, skip), y) / accumulation).backward()
+        opt.step()
+        yield step
+
+
+def _worker_equal(rank, world_size, tmp_path, steps, scape, accumulation, skip_every, hooked):
+    micro = [0]
+    is_boundary = (lambda: micro[0] == accumulation - 1) if accumulation > 1 else None
+    ref_model, ref = _build(5, scape, False, False)
+    model, opt = _build(5, scape, True, hooked, is_boundary)
+    worst, replica_mismatch, byte_mismatch, ef_worst, early = 0.0, 0, 0, 0.0, []
+    ref_steps = _train(ref_model, ref, rank, steps, accumulation=accumulation, skip_every=skip_every)
+    for _ in _train(model, opt, rank, steps, accumulation=accumulation, skip_every=skip_every, micro=micro):
+        next(ref_steps)
+        opt.synchronize()  # read outside a forward: wait for the broadcasts
+        flat = flat_params(model)
+        worst = max(worst, float((flat - flat_params(ref_model)).abs().max()))
+        replica_mismatch += sum(not torch.equal(flat, c) for c in _gather(flat))
+        byte_mismatch += int(opt.comm_stats["bytes_sent"] != ref.comm_stats["bytes_sent"])
+        if ref.error_feedback() is not None:  # (compressor "dense" keeps none)
+            ef_worst = max(ef_worst, float((opt.error_feedback() - ref.error_feedback()).abs().max()))
+        early.append(opt._groups[0].overlap.started_in_backward)
+    ref.synchronize()
+    kinds = (opt.comm_stats["by_tag"].keys(), ref.comm_stats["by_tag"].keys())
+    return worst, replica_mismatch, byte_mismatch, ef_worst, [sorted(k) for k in kinds], early, \
+        len(opt._groups[0].overlap.buckets)
+
+
+SCAPE = dict(sparsity=0.99, chunk_size=256, mask_refresh_interval=3, dense_numel_threshold=1024)
+
+
+@pytest.mark.parametrize("world_size,scape,accumulation,skip_every,hooked", [
+    (2, SCAPE, 1, 0, True),
+    (2, SCAPE, 2, 0, True),  # gradient accumulation: buckets start on the last micro-batch only
+    (2, SCAPE, 1, 2, True),  # a layer without a gradient every other step
+    (2, dict(SCAPE, error_feedback_dtype="bf16"), 1, 0, False),  # bf16 error feedback, fp32 wire; no forward hooks
+    (2, dict(SCAPE, compressor="dense"), 1, 0, True),
+    (4, SCAPE, 1, 0, True),
+])
+def test_overlap_equals_the_non_overlapped_path(tmp_path, world_size, scape, accumulation, skip_every, hooked):
+    results = run_ranks(_worker_equal, world_size, tmp_path, 12, scape, accumulation, skip_every, hooked)
+    for worst, replicas, bytes_, ef, (tags, ref_tags), early, n_buckets in results:
+        assert n_buckets >= 20, n_buckets
+        # the first step's buckets start in step() (no hooks before it); later ones in backward, all of
+        # them but those behind a layer without a gradient (and those still in flight stay counted)
+        assert early[0] == 0, early
+        if skip_every:
+            assert all(0 < e < n_buckets for e in early[2::2]) and all(e == n_buckets for e in early[1::2]), early
+        else:
+            assert all(e == n_buckets for e in early[1:]), early
+        assert replicas == 0, results  # every rank holds the same parameters after every step
+        assert bytes_ == 0, results  # the byte meter counts the same bytes every step
+        assert tags == ref_tags, results
+        if world_size == 2:  # a sum of two terms does not depend on the reduction's algorithm
+            assert worst == 0.0 and ef == 0.0, results
+        else:  # a reduce and a reduce-scatter may add four terms in another order: rounding only
+            assert worst < 1e-5 and ef < 1e-5, results
+
+
+def _worker_resume(rank, world_size, tmp_path, steps, cut):
+    model, opt = _build(7, SCAPE, True, True)
+    for _ in _train(model, opt, rank, steps):
+        pass
+    opt.synchronize()
+    straight = flat_params(model)
+    model, opt = _build(7, SCAPE, True, True)
+    for _ in _train(model, opt, rank, cut):
+        pass
+    saved = dict(model=model.state_dict(), opt=opt.state_dict())  # state_dict waits for values in flight
+    saved = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in d.items()} if k == "model" else d
+             for k, d in saved.items()}
+    resumed, opt2 = _build(8, SCAPE, True, True)  # another seed: everything must come from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    for _ in _train(resumed, opt2, rank, steps - cut, first=cut):
+        pass
+    opt2.synchronize()
+    return bool(torch.equal(flat_params(resumed), straight))
+
+
+def test_overlap_resumes_exactly_mid_run(tmp_path):
+    # the cut falls on a sparse step between refreshes (T = 3: steps 1, 4, 7, 10 refresh)
+    assert run_ranks(_worker_resume, 2, tmp_path, 11, 5) == [True, True]
+
+
+# ---------------------------------------------------------------- through DeepSpeed's engine
+def _worker_engine(rank, world_size, tmp_path, gas):
+    import json
+    import os
+
+    import scape_ds
+    from scape_ds.data import build_datasets, get_batch
+    from scape_ds.engine import scape_optimizer
+    from scape_ds.models import GPT, GPTConfig
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    train, _ = build_datasets()
+    params, early = {}, {}
+    for overlap in (False, True):
+        with open(os.path.join(repo, "ds_configs", "scape.json")) as f:
+            cfg = json.load(f)
+        cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=gas)
+        cfg["scape"].update(mask_refresh_interval=3, chunk_size=256, overlap=overlap, bucket_mb=BUCKET_MB)
+        torch.manual_seed(0)
+        engine, *_ = scape_ds.initialize(model=GPT(GPTConfig(seq_len=32, n_layer=1, n_head=2, n_embd=64)), config=cfg)
+        for step in range(7):
+            for micro in range(gas):
+                x, y = get_batch(train, 4, 32, step * gas + micro, rank, world_size, 0)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+        opt = scape_optimizer(engine)
+        opt.synchronize()
+        params[overlap] = flat_params(engine.module)
+        if overlap:
+            ov = opt._groups[0].overlap
+            early = (ov.started_in_backward, len(ov.buckets), ov.forward_hooked)
+    return bool(torch.equal(params[False], params[True])), early
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_overlap_through_the_engine(tmp_path, gas):
+    # scape_ds.initialize hooks the model's forward and DeepSpeed's accumulation boundary
+    for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas):
+        assert equal and hooked and early == n_buckets > 1, (equal, early, n_buckets, hooked)
