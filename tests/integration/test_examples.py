@@ -58,6 +58,28 @@ def test_hf_trainer_example_trains_with_scape(config, optimizer, tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("scape", [
+    # ds_configs/scape_dct.json's exchange: every step sends this step's top coefficients, none is dense
+    dict(basis="dct", mask="per_rank", sparsity=0.99, clip_local=1.0, ef_decay=0.999),
+    dict(overlap=True),  # scape.overlap: the Trainer's backward and forward hooked, its accumulation boundary
+])
+def test_hf_trainer_example_with_the_dct_basis_and_overlap(scape, tmp_path):
+    with open(os.path.join(REPO, "ds_configs", "hf_scape.json")) as f:
+        cfg = json.load(f)
+    cfg["scape"].update(scape)
+    config = tmp_path / "hf.json"
+    config.write_text(json.dumps(cfg))
+    rows = _run_example("examples/hf_trainer.py", "--deepspeed", str(config), "--max-steps", str(STEPS),
+                        "--output-dir", str(tmp_path / "out"))
+    if scape.get("basis") != "dct":
+        _check_scape_run(rows, "ScapeAdamS")
+        return
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and {r["optimizer"] for r in rows} == {"ScapeAdamS"}
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3]) - 0.3, rows
+    assert all(0 < r["bytes_sent"] < 0.05 * r["bytes_dense"] for r in rows), rows
+
+
+@pytest.mark.timeout(900)
 def test_hf_gpt2_script_example_trains_with_scape():
     rows = _run_example("examples/hf_gpt2_script.py", "--deepspeed_config", "ds_configs/scape.json",
                         "--train-iters", str(STEPS))

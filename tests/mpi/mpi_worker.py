@@ -106,6 +106,20 @@ def case_overlap() -> dict:
     return dict(max_diff=max(WORLD.allgather(diff)), bytes=bytes_mpi)
 
 
+def case_dct() -> dict:
+    """basis "dct" over MPI against the torch backend, both masks: the same parameters and bytes."""
+    out = {}
+    for mask in ("per_rank", "shared"):
+        scape = dict(basis="dct", mask=mask, sparsity=0.9, clip_local=1.0, ef_decay=0.999)
+        model_mpi, bytes_mpi, eq_mpi = _train("mpi", scape, 8)
+        model_torch, bytes_torch, _ = _train("torch", scape, 8)
+        assert all(eq_mpi), f"{mask}: replicas differ at steps {[i for i, e in enumerate(eq_mpi) if not e]}"
+        assert bytes_mpi == bytes_torch, (mask, bytes_mpi, bytes_torch)
+        diff = float((flat_params(model_mpi) - flat_params(model_torch)).abs().max())
+        out[mask] = dict(max_diff=max(WORLD.allgather(diff)), bytes=bytes_mpi)
+    return out
+
+
 def case_dense() -> dict:
     model, _, equal = _train("mpi", dict(sparsity=0.0, mask_refresh_interval=5), 20, dtype=torch.float64)
     ref = make_mlp(seed=3).to(torch.float64)
