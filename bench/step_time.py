@@ -104,6 +104,9 @@ ROWS.update({f"SCAPE {s} dct": {"optimizer": {"type": "ScapeAdamS", "params": OP
 ROWS.update({f"SCAPE {s} overlap": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                      "scape": {"sparsity": s, "mask_refresh_interval": 100, "overlap": True}}
              for s in (0.9, 0.99)})
+ROWS["SCAPE 0.99 overlap 4MB"] = {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                                  "scape": {"sparsity": 0.99, "mask_refresh_interval": 100, "overlap": True,
+                                            "bucket_mb": 4.0}}
 ROWS["dense AdamW ZeRO-1 overlap_comm"] = {"optimizer": {"type": "AdamW", "params": {**OPT, "torch_adam": True}},
                                            "zero_optimization": {"stage": 1, "overlap_comm": True,
                                                                  "reduce_bucket_size": 25 * 2**20 // 4,
@@ -111,7 +114,7 @@ ROWS["dense AdamW ZeRO-1 overlap_comm"] = {"optimizer": {"type": "AdamW", "param
 ROWS["dense AdamW DDP"] = {}  # torch DDP + torch.optim.AdamW, built by _Row itself
 CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
 OVERLAP_ROWS = ["dense AdamW", "dense AdamW ZeRO-1 overlap_comm", "dense AdamW DDP", "SCAPE 0.9", "SCAPE 0.9 overlap",
-                "SCAPE 0.99", "SCAPE 0.99 overlap"]
+                "SCAPE 0.99", "SCAPE 0.99 overlap 4MB", "SCAPE 0.99 overlap"]
 DCT_ROWS = ["dense AdamW", "SCAPE 0.99", "SCAPE 0.99 dct", "SCAPE 0.9", "SCAPE 0.9 dct"]
 HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",

@@ -195,8 +195,10 @@ class ScapeConfig(BaseModel):
     can differ in the last bit). Coordinate basis, hierarchy "flat", update_rule "lazy", no
     ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1 without pipeline parallelism; refused in
     one line elsewhere. Parameters read outside a forward after ``step()`` need
-    ``optimizer.synchronize()`` first (checkpoint saves call it). Off by default until the rest of
-    the paths have it."""
+    ``optimizer.synchronize()`` first (checkpoint saves call it). Measured on 4 emulated nodes at
+    1 Gbit/s (bench/RESULTS.md, "Overlap"): SCAPE 0.9's step from 2.98x to 2.00x its compute-only
+    time, 0.99's unchanged (~1.5x: on 2 shared CPU cores what stays exposed is the optimizer's CPU
+    work, not the wire). Off by default until ZeRO-3, basis "dct" and a GPU measurement have it."""
 
     bucket_mb: float = 25.0
     """``overlap``: megabytes of gradient (in the compute dtype) per bucket, as DDP's ``bucket_cap_mb``;
