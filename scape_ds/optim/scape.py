@@ -354,8 +354,8 @@ class ScapeAdamS(Optimizer):
         clipping) and "adams" take the decoded mean u (N_pad,); "adams_coef" takes the mean coefficients
         (numel,), runs AdamS there (its momentum in coefficients) and decodes the step."""
         lr, wd = group["lr"], group["weight_decay"]
-        if self.cfg.dct_update == "sign":  # p = (1 - lr wd) p - lr sign(u)
-            gs.flat_param.mul_(1.0 - lr * wd).add_(signal.sign(), alpha=-lr)
+        if self.cfg.dct_update == "sign":  # p = (1 - lr wd) p - lr sign(u); u (a consumed buffer) becomes sign(u)
+            gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(signal, out=signal), alpha=-lr)
             return
         beta1, beta2 = group["betas"]
         hyper = dict(grad_scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -386,8 +386,7 @@ class ScapeAdamS(Optimizer):
                     grads.append(p.grad)
                     if not getattr(p, "scape_norm_skip", False):
                         counted.append(p.grad)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]
-        total = self._sum_over_norm_group(float(torch.stack(norms).square().sum()) if norms else 0.0)  # one sync
+        total = self._sum_over_norm_group(sum(_square_norm_fp64(g) for g in counted))  # one sync
         scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
         if scale < 1.0:
             for g in grads:
@@ -413,7 +412,7 @@ class ScapeAdamS(Optimizer):
         total = 0.0
         for gs, (signal, dense_g) in zip(self._groups, signals):
             if signal is not None and not gs.norm_skip:
-                total += float(torch.linalg.vector_norm(signal, dtype=torch.float64).square())
+                total += _square_norm_fp64(signal)
             total += _dense_square_norm(gs.dense_params, dense_g)
         norm = math.sqrt(self._sum_over_norm_group(total))
         self.last_grad_norm = norm
@@ -866,6 +865,14 @@ def _dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None)
     grads = torch.split(dense_g, [p.numel() for p in params])
     return sum(float(g.double().square().sum()) for p, g in zip(params, grads)
                if not getattr(p, "scape_norm_skip", False))
+
+
+def _square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> float:
+    """||t||^2 summed in fp64, a block at a time: no fp64 copy of a whole gradient buffer (N elements,
+    8 N bytes and a pass over them)."""
+    flat = t.reshape(-1)
+    return sum(float(torch.linalg.vector_norm(flat[i : i + block], dtype=torch.float64).square())
+               for i in range(0, flat.numel(), block))
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
