@@ -165,6 +165,14 @@ class ScapeConfig(BaseModel):
     1.017x at 2.01%. per_rank's bytes grow as 0.75 D rho of dense, shared's stay at 1.25 rho
     (docs/design.md, "Transform basis"): per_rank (the default) for the loss, shared for the bytes."""
 
+    mask_source: Literal["union", "owner"] = "union"
+    """``basis="dct"``, ``mask="shared"``: who chooses the one mask. ``union``: every rank nominates its
+    top max(1, kc // D) of each tile from this step's error feedback and the union is the mask (above).
+    ``owner``: the rank that owns a tile (shard r: tiles [r n / D, (r+1) n / D)) chooses its top kc from
+    its own error feedback, this step, and the others send their values at those coefficients: the
+    mask of SCAPE's coordinate basis (one owner decides), chosen fresh. Measured in bench/RESULTS.md
+    ("Shared-mask sources")."""
+
     dct_update: Literal["sign", "adams", "adams_coef"] = "sign"
     """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
     the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
@@ -303,6 +311,9 @@ class ScapeConfig(BaseModel):
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if bad:
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
+        if self.mask_source != "union" and (self.basis, self.mask) != ("dct", "shared"):
+            raise ValueError(f"mask_source {self.mask_source!r} chooses the shared mask of basis 'dct': it needs "
+                             f"basis 'dct' and mask 'shared', got basis {self.basis!r}, mask {self.mask!r}")
         if self.overlap:
             settings = dict(basis=(self.basis, "coordinate"), hierarchy=(self.hierarchy, "flat"),
                             update_rule=(self.update_rule, "lazy"), reselect_interval=(self.reselect_interval, 0),

@@ -87,6 +87,8 @@ RUNS: dict[str, tuple] = {
     # basis "dct" (ds_configs/scape_dct.json: per_rank mask, sign update, clip_local 1, ef_decay 0.999)
     "dct99": ("SCAPE dct 0.99, per-rank masks", "scape_dct.json", {}),
     "dct99_shared": ("SCAPE dct 0.99, shared mask (nominated union)", "scape_dct.json", dict(mask="shared")),
+    "dct99_owner": ("SCAPE dct 0.99, shared mask chosen by each tile's owner", "scape_dct.json",
+                    dict(mask="shared", mask_source="owner")),
     "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
     "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
                      dict(sparsity=0.9, mask="shared")),
@@ -256,7 +258,10 @@ def describe(name: str, cfg: dict) -> dict:
     sc = cfg["scape"]
     if sc.get("basis") == "dct":  # masks every step: no refresh interval
         method = "demo" if name == "demo" else "scape"
-        return dict(method=method, basis="dct", mask=sc.get("mask", "per_rank"),
+        mask = sc.get("mask", "per_rank")
+        if mask == "shared" and sc.get("mask_source", "union") != "union":
+            mask = f"shared/{sc['mask_source']}"  # the column says who chose the shared mask
+        return dict(method=method, basis="dct", mask=mask,
                     update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval="",
                     dense_refresh="", lr=lr)
     return dict(method=sc.get("compressor", "scape"), basis="coordinate", mask="shared",

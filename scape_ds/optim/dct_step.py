@@ -12,6 +12,8 @@ has the tiles):
        the offsets are all-gathered, and the union of every rank's nominations is the mask for every
        rank; the values travel packed (D * (kc // D) slots per tile, a repeated offset counted once
        and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
+       ``mask_source="owner"``: the owner of each tile alone chooses its top kc from its own ``e_r``
+       and the offsets are all-gathered; then the same reduce-scatter and all-gather of values.
   3. what was sent leaves ``e_r`` (``e_r[mask] = 0``): sent + kept == accumulated, coefficient by
      coefficient.
   4. every rank sums the received values in the same order into a (numel,) coefficient vector, divides
@@ -62,7 +64,8 @@ def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor
 
 
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
-                 q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float) -> torch.Tensor:
+                 q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
+                 mask_source: str = "union") -> torch.Tensor:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u).
@@ -90,6 +93,12 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         if k_per_chunk == C:  # sparsity 0: the mask is every coefficient, no nominations travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
             values = error.clone()  # (numel,)
+        elif mask_source == "owner":  # each tile's owner chooses from its own accumulator
+            own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
+            chosen = kernels.chunk_topk(own, C, k_per_chunk)  # (S/C kc,) int16
+            all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+            index = offsets_to_index(all_chosen, C, k_per_chunk)  # (n_chunks kc,) int64
+            values = error.index_select(0, index)  # (n_chunks kc,)
         else:
             K = max(1, k_per_chunk // D)
             nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16

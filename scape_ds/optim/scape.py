@@ -335,7 +335,8 @@ class ScapeAdamS(Optimizer):
             if gs.flat_param is not None:
                 self._attach_grads(gs)
                 signal = exchange_dct(self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q,
-                                      mask=cfg.mask, k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay)  # (numel,)
+                                      mask=cfg.mask, k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay,
+                                      mask_source=cfg.mask_source)  # (numel,)
                 if cfg.dct_update != "adams_coef":
                     signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
             signals.append((signal, dense_g))

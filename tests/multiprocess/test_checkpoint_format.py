@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from scape_ds.config import ScapeConfig
+
 from .harness import run_ranks
 from .models import make_batch, make_mlp
 
@@ -92,6 +94,11 @@ def test_stage1_fixture_loads_with_the_saved_state(tmp_path):
         _assert_same(params, {n: t for n, t in model.items()}, f"rank {rank} parameters")
         saved = torch.load(os.path.join(tag_dir, f"scape_dp_rank_{rank:05d}.pt"), weights_only=True)
         assert saved["scape"]["step"] == STEPS and saved["scape"]["groups"][0]["active_offsets"] is not None
+        # the scape block of the running config: fields added since the fixture was written hold their defaults
+        config, saved_config = opt_state["scape"].pop("config"), saved["scape"].pop("config")
+        added = {k: v for k, v in config.items() if k not in saved_config}
+        assert added == {k: ScapeConfig.model_fields[k].default for k in added}, added
+        _assert_same({k: config[k] for k in saved_config}, saved_config, f"rank {rank} config")
         _assert_same(opt_state, saved, f"rank {rank} optimizer state")
 
 

@@ -110,6 +110,9 @@ def test_config_dct_fields_and_refusals():
         parse_scape_config(dict(clip_local=-1.0))
     with pytest.raises(ValueError, match="scape.mask"):
         parse_scape_config(dict(mask="global"))
+    assert parse_scape_config(dict(basis="dct", mask="shared", mask_source="owner")).mask_source == "owner"
+    with pytest.raises(ValueError, match="mask_source 'owner' chooses the shared mask of basis 'dct'"):
+        parse_scape_config(dict(basis="dct", mask_source="owner"))  # per_rank has no shared mask
 
 
 def test_union_slots_with_one_nomination_per_rank_is_contiguous():
