@@ -120,7 +120,9 @@ def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
                          f"under ZeRO stage 3 it must be 'fp32'")
     if scape.overlap:
         raise ValueError("scape.overlap is built for ZeRO stage 0/1 (ScapeAdamS) so far; under ZeRO stage 3 set "
-                         "overlap false")
+                         "overlap false: SCAPE's gradient exchange already runs in DeepSpeed's bucket hooks during "
+                         "backward, on its reduce stream on GPUs with zero_optimization.overlap_comm (true by "
+                         "default at stage 3)")
 
 
 _EVERYTHING = sys.maxsize
