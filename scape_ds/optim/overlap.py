@@ -104,9 +104,11 @@ class OverlapExchange:
             for i in bucket.params:
                 self._buckets_of[i].append(b)
         self._hooks: list = []
+        self.forward_hooked = False  # a module's forward waits for its buckets (else step() waits)
         # internal state of the step being exchanged
         self.dense: bool | None = None  # the kind of the exchange under way (None: none begun)
         self._missing: list[int] = []  # per bucket: parameters whose gradient has not arrived
+        self._arrived: list[bool] = []  # per parameter: its gradient has arrived in this exchange
         self._cursor = 0  # the next bucket to start
         self._grad_works: list = []  # per started bucket: the reduce in flight
         self._sends: list[tuple[torch.Tensor, bool]] = []  # dense step: what each bucket sent, and whether
@@ -125,6 +127,7 @@ class OverlapExchange:
         """Hook every sparse parameter's gradient, and with ``model`` every module's forward."""
         for i, p in enumerate(self.gs.sparse_params):
             self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i)))
+        self.forward_hooked = False
         if model is None:
             return
         index = {id(p): i for i, p in enumerate(self.gs.sparse_params)}
@@ -133,15 +136,12 @@ class OverlapExchange:
                            for b in self._buckets_of[index[id(p)]]})
             if mine:
                 self._hooks.append(module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_params(mine)))
+                self.forward_hooked = True
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks = []
-
-    @property
-    def forward_hooked(self) -> bool:
-        return len(self._hooks) > len(self.gs.sparse_params)
+        self._hooks, self.forward_hooked = [], False
 
     def _on_grad(self, i: int) -> None:
         if not self.is_boundary():
@@ -153,6 +153,12 @@ class OverlapExchange:
             self.opt.grad_copies += 1
         if self.dense is None:
             self.begin(self.opt.next_step_dense())
+        if self._arrived[i]:  # its buckets may be on the wire already: this gradient would be lost
+            raise RuntimeError(f"scape.overlap: sparse parameter {i} of its param group got a second gradient in "
+                               f"the backward that ends the accumulation, after its bucket was sent; run one "
+                               f"backward per micro-batch (engine.is_gradient_accumulation_boundary decides), or "
+                               f"set overlap false")
+        self._arrived[i] = True
         for b in self._buckets_of[i]:
             self._missing[b] -= 1
         self.opt.start_ready_buckets()
@@ -163,6 +169,7 @@ class OverlapExchange:
         opt, gs = self.opt, self.gs
         self.dense = dense
         self._missing = [len(b.params) for b in self.buckets]
+        self._arrived = [False] * len(self.gs.sparse_params)
         self._cursor, self._grad_works, self._sends = 0, [], []
         if not self.dense:
             gs.pending.wait()  # the mask chosen at the last refresh

@@ -186,3 +186,22 @@ def test_overlap_through_the_engine(tmp_path, gas):
     # scape_ds.initialize hooks the model's forward and DeepSpeed's accumulation boundary
     for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas):
         assert equal and hooked and early == n_buckets > 1, (equal, early, n_buckets, hooked)
+
+
+def _worker_second_backward(rank, world_size, tmp_path):
+    model, opt = _build(9, SCAPE, True, True)
+    for _ in _train(model, opt, rank, 2):  # the second step is sparse: hooks armed from here on
+        pass
+    x, y = make_batch(5, rank)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()  # a second gradient after the buckets left: refused, not lost
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_second_backward_after_the_buckets_left_is_refused(tmp_path):
+    for message in run_ranks(_worker_second_backward, 2, tmp_path):
+        assert message is not None and "got a second gradient" in message and "\n" not in message, message
