@@ -319,6 +319,9 @@ class ScapeConfig(BaseModel):
                             update_rule=(self.update_rule, "lazy"), reselect_interval=(self.reselect_interval, 0),
                             clip_local=(self.clip_local, 0.0))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if self.clip_local:  # why it cannot be built, not only that it is not yet
+                bad[-1] += (": clip_local scales by the norm of the whole local gradient, known only when "
+                            "backward ends, before any bucket may enter error feedback")
             if bad:
                 raise ValueError("scape.overlap is built for the coordinate exchange only so far: " + ", ".join(bad))
         if self.update_rule == "sign_drift" and not 1 <= self.drift_steps < self.mask_refresh_interval:
