@@ -201,8 +201,10 @@ class ScapeConfig(BaseModel):
     waits per module (forward pre-hooks) for the buckets of its own parameters. Bytes equal the
     non-overlapped path's, parameters too (bitwise at 2 ranks; at more ranks the order of the sum
     can differ in the last bit). Coordinate basis, hierarchy "flat", update_rule "lazy", no
-    ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1 without pipeline parallelism; refused in
-    one line elsewhere. Parameters read outside a forward after ``step()`` need
+    ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1 without pipeline parallelism, and ZeRO-3
+    with ``param_exchange "sparse_replica"`` (its all-gather of new values per bucket of parameters,
+    waited for by the forward; ZeRO-3's gradient exchange runs in DeepSpeed's own bucket hooks);
+    refused in one line elsewhere. Parameters read outside a forward after ``step()`` need
     ``optimizer.synchronize()`` first (checkpoint saves call it). Measured on 4 emulated nodes at
     1 Gbit/s (bench/RESULTS.md, "Overlap"): SCAPE 0.9's step from 2.98x to 2.00x its compute-only
     time, 0.99's unchanged (~1.5x: on 2 shared CPU cores what stays exposed is the optimizer's CPU

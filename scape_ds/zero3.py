@@ -118,11 +118,12 @@ def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
     if scape.error_feedback_dtype != "fp32":
         raise ValueError(f"scape.error_feedback_dtype {scape.error_feedback_dtype!r} is for ZeRO stage 0/1; "
                          f"under ZeRO stage 3 it must be 'fp32'")
-    if scape.overlap:
-        raise ValueError("scape.overlap is built for ZeRO stage 0/1 (ScapeAdamS) so far; under ZeRO stage 3 set "
-                         "overlap false: SCAPE's gradient exchange already runs in DeepSpeed's bucket hooks during "
-                         "backward, on its reduce stream on GPUs with zero_optimization.overlap_comm (true by "
-                         "default at stage 3)")
+    if scape.overlap and scape.param_exchange != "sparse_replica":
+        raise ValueError("scape.overlap under ZeRO stage 3 overlaps param_exchange 'sparse_replica''s all-gather of "
+                         "new values; with 'dense' set overlap false: SCAPE's gradient exchange already runs in "
+                         "DeepSpeed's bucket hooks during backward (on its reduce stream on GPUs with "
+                         "zero_optimization.overlap_comm, true by default at stage 3) and the parameters are "
+                         "ZeRO-3's own prefetched all-gathers")
 
 
 _EVERYTHING = sys.maxsize
@@ -227,6 +228,13 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
                              f"{type(self.optimizer).__name__}")
         self.scape = Stage3Exchange(self.scape_config, TorchCommunicator(self.dp_process_group),
                                     [p for g in self.fp16_groups for p in g], masked, self.communication_data_type)
+        # scape.overlap (sparse_replica): the new values travel in buckets, waited for by each module's forward
+        self._value_buckets: list[list[int]] = []
+        self._values_in_flight: dict[int, tuple] = {}  # bucket -> (all-gather in flight, finish)
+        if self.scape_config.overlap and self.scape.params:
+            size = self.scape.params[0].ds_tensor.element_size()
+            self._value_buckets = self.scape.param_buckets(int(self.scape_config.bucket_mb * 2**20) // size)
+            self._hook_forward()
 
     # -------------------------------------------------------------- what callers read
     @property
@@ -262,6 +270,7 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
         return self.scape.reduce_scatter_grads(params_to_reduce, self.gradient_accumulation_dtype)
 
     def step(self, closure=None):
+        self.wait_values()  # the last step's, where no forward waited (a module that did not run)
         dense = self.scape.begin_step()
         if self.scape.masked:
             self.optimizer.active = {} if dense else self.scape.flat_indices(self._positions())
@@ -304,11 +313,32 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
                     p.data = full.clone()
                     p.ds_status = ZeroParamStatus.AVAILABLE
             return
+        if self._value_buckets:  # scape.overlap: started here, written in by the next forward's hooks
+            for b, pending in enumerate(self.scape.start_gather_at_masks(self._value_buckets)):
+                self._values_in_flight[b] = pending
+            return
         for p, (pos, values) in zip(self.scape.params, self.scape.gather_at_masks()):
-            # a parameter ZeRO-3 released (it does so while it retraces) is fetched from the
-            # up-to-date partitions at its next use
-            if p.ds_status == ZeroParamStatus.AVAILABLE:
-                p.data.view(-1)[pos] = values
+            _write_values(p, pos, values)
+
+    def _hook_forward(self) -> None:
+        """A forward pre-hook on every module holding SCAPE parameters: wait for their buckets."""
+        bucket_of = {id(self.scape.params[i]): b for b, bucket in enumerate(self._value_buckets) for i in bucket}
+        for module in self.module.modules():
+            mine = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+            if mine:
+                module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_values(mine))
+
+    def wait_values(self, buckets=None) -> None:
+        """``scape.overlap``: wait for the new values of ``buckets`` (default: all) and write them in."""
+        if not self._values_in_flight:
+            return
+        for b in list(self._values_in_flight) if buckets is None else buckets:
+            pending = self._values_in_flight.pop(b, None)
+            if pending is not None:
+                work, finish = pending
+                work.wait()
+                for i, pos, values in finish():
+                    _write_values(self.scape.params[i], pos, values)
 
     def _positions(self):
         """(flat fp32 partition, offset in it, param) of every parameter's piece on this rank."""
@@ -333,21 +363,31 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
         )
 
     def synchronize(self) -> None:
-        """Wait for the mask all-gather in flight (call before destroying the process group)."""
+        """Wait for the mask all-gather and (``scape.overlap``) the new values in flight (call before
+        reading parameters outside a forward or destroying the process group)."""
         self.scape.pending.wait()
+        self.wait_values()
 
     def state_dict(self):
         """ZeRO-3's per-rank state (fp32 partitions, momentum) plus the error feedback, masks and step."""
-        self.scape.pending.wait()
+        self.synchronize()
         sd = super().state_dict()
         sd["scape"] = self.scape.state_dict()
         return sd
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, *args, **kwargs):
+        self.wait_values()
         mine = state_dict_list[dist.get_rank(group=self.dp_process_group)]
         self.scape.check_loadable(mine.get("scape") if isinstance(mine, dict) else None)
         super().load_state_dict(state_dict_list, load_optimizer_states, *args, **kwargs)
         self.scape.load_state_dict(mine["scape"], self.fp32_partitioned_groups_flat[0].device)
+
+
+def _write_values(p, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a sparse step's new values into ``p``'s full copy; a parameter ZeRO-3 released (it does so
+    while it retraces) is fetched from the up-to-date partitions at its next use instead."""
+    if p.ds_status == ZeroParamStatus.AVAILABLE:
+        p.data.view(-1)[pos] = values
 
 
 def zero3_layout(zopt: DeepSpeedZeroOptimizer_Stage3) -> Zero3Layout:

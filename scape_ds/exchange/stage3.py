@@ -235,6 +235,40 @@ class Stage3Exchange:
                                    for p in self.params]
         return [(pos, row.reshape(-1)[valid]) for row, (pos, valid) in zip(rows, self._replica_index)]
 
+    def param_buckets(self, bucket_numel: int) -> list[list[int]]:
+        """``scape.overlap``: the parameters (indices into ``params``, ds_id order: about the order
+        forward uses them) cut into runs of at most ``bucket_numel`` elements (one at least)."""
+        buckets, size = [[]], 0
+        for i, p in enumerate(self.params):
+            if buckets[-1] and size + p.ds_numel > bucket_numel:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += p.ds_numel
+        return buckets
+
+    def start_gather_at_masks(self, buckets: list[list[int]]) -> list[tuple[Any, Any]]:
+        """``scape.overlap``, sparse step: :meth:`gather_at_masks` as one asynchronous all-gather per
+        bucket (the same bytes). Returns per bucket ``(work, finish)``; after ``work.wait()``,
+        ``finish()`` gives ``[(parameter index, flat positions, values)]`` to write into the copies."""
+        r, D = self.rank, self.world_size
+        if self._replica_index is None:
+            self._replica_index = [replica_positions(self.mask(p), self.piece(p), p.ds_numel)
+                                   for p in self.params]
+        index, started = self._replica_index, []  # this mask's positions, whatever the masks do next
+        for bucket in buckets:
+            params = [self.params[i] for i in bucket]
+            local = torch.cat([p.ds_tensor.reshape(-1)[self.mask(p)[r]] for p in params])  # (sum k,)
+            out = torch.empty(D * local.numel(), dtype=local.dtype, device=local.device)  # (D sum k,)
+            work = self.comm.all_gather_async(out, local, "param_ag")
+
+            def finish(bucket=bucket, out=out, widths=[self.k(p) for p in params]):
+                rows = split_rank_major(out, widths, D)  # (D, k) per parameter
+                return [(i, index[i][0], row.reshape(-1)[index[i][1]]) for i, row in zip(bucket, rows)]
+
+            started.append((work, finish))
+        return started
+
     def _all_gather(self, local: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
         out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
         self.comm.all_gather(out, local, "param_ag")

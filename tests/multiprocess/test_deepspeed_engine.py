@@ -469,7 +469,7 @@ def test_cpu_engine_skips_deepspeeds_unused_shm_op_build(tmp_path):
     (lambda c: c["optimizer"]["params"].update(momentum=0.9), "unknown ['momentum']"),
     (lambda c: c["optimizer"].update(type="AdamW"), "'scape' block but optimizer.type is 'AdamW'"),
     (lambda c: c.update(zero_optimization={"stage": 3}) or c["scape"].update(overlap=True),
-     "scape.overlap is built for ZeRO stage 0/1"),
+     "scape.overlap under ZeRO stage 3 overlaps param_exchange 'sparse_replica''s all-gather"),
     (lambda c: c["scape"].update(overlap=True, basis="dct"), "scape.overlap is built for the coordinate exchange"),
     (lambda c: c["scape"].update(overlap=True, bucket_mb=0), "scape.bucket_mb: must be > 0"),
 ])

@@ -205,3 +205,48 @@ def _worker_second_backward(rank, world_size, tmp_path):
 def test_a_second_backward_after_the_buckets_left_is_refused(tmp_path):
     for message in run_ranks(_worker_second_backward, 2, tmp_path):
         assert message is not None and "got a second gradient" in message and "\n" not in message, message
+
+
+# ---------------------------------------------------------------- ZeRO-3, param_exchange sparse_replica
+def _worker_zero3(rank, world_size, tmp_path, steps):
+    import os
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import scape_ds
+
+    from .models import loss_fn, make_mlp
+    from .test_zero3 import _config, _from_partitions, _gathered
+
+    runs = {}
+    for overlap in (False, True):
+        cfg = _config("ScapeAdamS", 0.99, exchange="sparse_replica")
+        cfg["scape"].update(overlap=overlap, bucket_mb=64 * 64 * 4 / 2**20)  # one 64 x 64 weight a bucket
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5, bias=True, norm=True), config=cfg)
+        losses, in_flight, after_forward = [], [], []
+        for step in range(steps):
+            x, y = make_batch(step, rank)
+            loss = loss_fn(engine, x, y)  # each module's forward waits for its bucket of new values
+            after_forward.append(len(engine.optimizer._values_in_flight))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+            in_flight.append(len(engine.optimizer._values_in_flight))
+        engine.optimizer.synchronize()  # read outside a forward
+        gathered = _gathered(engine)
+        runs[overlap] = (losses, gathered, torch.equal(gathered, _from_partitions(engine)), in_flight, after_forward,
+                         len(engine.optimizer._value_buckets))
+    (l0, p0, fresh0, *_), (l1, p1, fresh1, in_flight, after_forward, n_buckets) = runs[False], runs[True]
+    return l0 == l1, torch.equal(p0, p1), fresh0 and fresh1, in_flight, after_forward, n_buckets
+
+
+def test_zero3_sparse_replica_values_wait_for_the_forward(tmp_path):
+    # T = 4: steps 1 and 5 are dense (their values arrive at once), the others sparse: their values
+    # are still in flight after step(), and every forward has written them all in before the loss;
+    # the losses (computed from the values the forward waited for) and the final parameters are the
+    # non-overlapped run's, bit for bit
+    for same_losses, same_params, fresh, in_flight, after_forward, n_buckets in run_ranks(_worker_zero3, 2,
+                                                                                           tmp_path, 8):
+        assert same_losses and same_params and fresh and n_buckets > 1, (same_losses, same_params, fresh)
+        assert [n > 0 for n in in_flight] == [False, True, True, True, False, True, True, True], in_flight
+        assert after_forward == [0] * 8, after_forward
