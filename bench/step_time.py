@@ -107,6 +107,10 @@ ROWS.update({f"SCAPE {s} overlap": {"optimizer": {"type": "ScapeAdamS", "params"
 ROWS["SCAPE 0.99 overlap 4MB"] = {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                   "scape": {"sparsity": 0.99, "mask_refresh_interval": 100, "overlap": True,
                                             "bucket_mb": 4.0}}
+ROWS["SCAPE ZeRO-3 0.99 replica overlap"] = {"optimizer": {"type": "ScapeAdamS", "params": OPT},
+                                            "zero_optimization": {"stage": 3},
+                                            "scape": {"sparsity": 0.99, "mask_refresh_interval": 100,
+                                                      "param_exchange": "sparse_replica", "overlap": True}}
 ROWS["dense AdamW ZeRO-1 overlap_comm"] = {"optimizer": {"type": "AdamW", "params": {**OPT, "torch_adam": True}},
                                            "zero_optimization": {"stage": 1, "overlap_comm": True,
                                                                  "reduce_bucket_size": 25 * 2**20 // 4,
@@ -341,8 +345,9 @@ def cluster_rows(args) -> list[str]:
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
     if args.hier:
         return list(HIER_ROWS)
-    if args.overlap:
-        return list(OVERLAP_ROWS)
+    if args.overlap:  # --zero3: the SCAPE stage 3 in sparse_replica mode, with and without overlap
+        return list(OVERLAP_ROWS) + (["SCAPE ZeRO-3 0.99 replica", "SCAPE ZeRO-3 0.99 replica overlap"]
+                                     if args.zero3 else [])
     if args.dct:
         return list(DCT_ROWS)
     rows = list(CLUSTER_ROWS)
