@@ -92,6 +92,8 @@ RUNS: dict[str, tuple] = {
     "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
     "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
                      dict(sparsity=0.9, mask="shared")),
+    "dct90_adams": ("SCAPE dct 0.9, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
+                    dict(sparsity=0.9, dct_update="adams")),
     "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
     "dct99_adams": ("SCAPE dct 0.99, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
                     dict(dct_update="adams")),

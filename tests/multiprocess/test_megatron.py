@@ -47,7 +47,7 @@ def _gathered_equal(t: torch.Tensor, group) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0):
+def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0, overlap=False):
     """Train the Megatron GPT (flat for pp == 1 unless forced, PipelineModule otherwise); return per-step losses
     and how many steps broke replica equality (DP replicas, TP-replicated parameters)."""
     _set_env(rank)
@@ -63,7 +63,9 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
         torch.manual_seed(0)
         model = MegatronGPT(cfg)
         model_parallel_seed(0)
-        engine, *_ = scape_ds.initialize(model=model, config=_ds_config(sparsity, gas), mpu=mpu)
+        config = _ds_config(sparsity, gas)
+        config["scape"].update(overlap=overlap, bucket_mb=4 * 256 * 4 / 2**20)  # scape.overlap: many buckets
+        engine, *_ = scape_ds.initialize(model=model, config=config, mpu=mpu)
     else:  # -pp: a DeepSpeed PipelineModule with |pp| stages
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -86,6 +88,8 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
         else:
             batches = iter([_batch(step * gas + micro, dp_rank) for micro in range(gas)])
             losses.append(float(engine.train_batch(data_iter=batches)))  # mean over DP and micro-batches
+        if overlap:
+            engine.optimizer.synchronize()  # read outside a forward: wait for the new values
         params = [p.detach().reshape(-1) for p in engine.module.parameters()]
         dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
         replicated = [p.detach().reshape(-1) for p in engine.module.parameters()
@@ -126,6 +130,15 @@ def test_sparse_099_trains_with_equal_replicas(tmp_path, tp, pp, dropout):
     assert last < first - 0.3, losses  # ln(64) = 4.16 at the start
     assert all(dp == 0 for _, dp, _ in results), [r[1:] for r in results]
     assert all(tpb == 0 for _, _, tpb in results), [r[1:] for r in results]
+
+
+def test_overlap_under_tp2_equals_the_non_overlapped_run(tmp_path):
+    # scape.overlap with tensor parallelism (TP 2 x DP 2, GAS 2): the data-parallel buckets go out during
+    # backward while the TP all-reduces run; the norm still spans the TP group. DP = 2: the same bits
+    plain = run_ranks(_worker_train, 4, tmp_path / "plain", 2, 1, 0.99, 8, 2)
+    overlapped = run_ranks(_worker_train, 4, tmp_path / "overlap", 2, 1, 0.99, 8, 2, 0.0, True)
+    assert [r[0] for r in overlapped] == [r[0] for r in plain], (plain[0][0], overlapped[0][0])
+    assert all(dp == 0 and tpb == 0 for _, dp, tpb in overlapped), [r[1:] for r in overlapped]
 
 
 # ---------------------------------------------------------------- the mpu adapter under DeepSpeed's own engine
