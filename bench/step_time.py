@@ -4,6 +4,7 @@
     sudo python bench/step_time.py --nodes 4 --rates 1gbit --steps 10
     sudo python bench/step_time.py --zero3 --micro-batch 1 --seq-len 32   # + ZeRO-3 rows, less compute
     sudo python bench/step_time.py --dct --nodes 4 --rates 1gbit --out runs/step_time_dct.json  # basis "dct"
+    sudo python bench/step_time.py --overlap --nodes 4 --rates 1gbit --block 3 --steps 12 --out bench/overlap_results.json
 
 For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
 node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four
@@ -206,18 +207,25 @@ class _Row:
             self.fetched = DeepSpeedAllGatherBytes()
         self.times, self.sent, self.gathered, self.kinds = [], [], [], []
 
-    def step(self, s: int) -> None:
+    def step(self, s: int, n: int = 1) -> None:
+        """Time steps s .. s + n - 1 back to back (one barrier before, none between) and record their
+        mean as one sample. The clock stops after ``synchronize()``: what a step left in flight (the
+        new values under ``scape.overlap``, which the next forward would wait for) is counted, since a
+        barrier would otherwise finish it off the clock (gloo's barrier waits for earlier work)."""
         import torch.distributed as dist
 
-        x, y = self.batch(s)
         dist.barrier()
         if self.zero3:
             self.fetched.bytes = 0
         t0 = time.perf_counter()
-        _, loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        dt = time.perf_counter() - t0
+        for i in range(s, s + n):
+            x, y = self.batch(i)
+            _, loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+        if self.opt is not None:
+            self.opt.synchronize()
+        dt = (time.perf_counter() - t0) / n
         if s < self.warmup:
             return
         opt = self.opt
@@ -227,7 +235,7 @@ class _Row:
         self.kinds.append((bool(stats["dense_step"]), int(stats.get("bytes_inter", self.sent[-1])),
                            int(stats.get("bytes_intra", 0))))
         if self.zero3:
-            self.gathered.append(self.fetched.bytes)
+            self.gathered.append(self.fetched.bytes // n)
 
     def result(self) -> dict:
         if self.opt is not None:
@@ -276,23 +284,24 @@ def worker(args) -> None:
     model = GPT(GPTConfig(**shape))
     compute = []
 
-    def compute_step(s):
-        x, y = batch(s)
+    def compute_step(s, n=1):
         dist.barrier()
         t0 = time.perf_counter()
-        model.zero_grad(set_to_none=False)
-        model(x, y)[1].backward()
+        for i in range(s, s + n):
+            x, y = batch(i)
+            model.zero_grad(set_to_none=False)
+            model(x, y)[1].backward()
         if s >= args.warmup:
-            compute.append(time.perf_counter() - t0)
+            compute.append((time.perf_counter() - t0) / n)
 
     names = args.rows.split(",")
     results = dict(n_params=sum(p.numel() for p in model.parameters()), rows={}, interleaved=args.interleave)
     if args.interleave:  # every row's step s, then step s + 1: all rows see the same load from other jobs
         rows = [_Row(name, args, shape, batch, world) for name in names]
-        for s in range(args.warmup + args.steps):
-            compute_step(s)
+        for s in range(0, args.warmup + args.steps, args.block):  # --block steps of a row back to back
+            compute_step(s, args.block)
             for row in rows:
-                row.step(s)
+                row.step(s, args.block)
         results["rows"] = {row.name: row.result() for row in rows}
     else:  # one row after another, each engine freed before the next is built
         for s in range(args.warmup + args.steps):
@@ -373,6 +382,8 @@ def run_setting(nodes: int, rate: str, args) -> dict:
             cmd += ["--interleave"]
         if args.trace:
             cmd += ["--trace", os.path.abspath(args.trace)]
+        if args.block > 1:
+            cmd += ["--block", str(args.block)]
         # its default port, inside namespaces it has just made; G ranks per node share its namespace
         with Cluster(nodes, rate, args.delay, ranks_per_node=args.ranks_per_node) as c:
             env, err = dict(DS_ACCELERATOR="cpu"), None if args.verbose else subprocess.DEVNULL
@@ -600,6 +611,9 @@ def main() -> int:
     ap.add_argument("--overlap", action="store_true",
                     help="cluster run: scape.overlap beside the same SCAPE rows, dense AdamW with ZeRO-1 "
                          "overlap_comm and with torch DDP, interleaved; the overlap table")
+    ap.add_argument("--block", type=int, default=1,
+                    help="time this many steps of a row back to back, the mean one sample (--steps and --warmup "
+                         "are rounded up to multiples of it; interleaved runs only)")
     ap.add_argument("--trace", default=None,
                     help="after the timed steps, profile two more steps of the last row on rank 0 and write "
                          "this Chrome trace (e.g. runs/overlap_trace.json)")
@@ -625,6 +639,9 @@ def main() -> int:
         args.interleave = True
     if args.dct or args.overlap:
         args.interleave = True
+    if args.block > 1:  # whole blocks of warm-up and of timed steps
+        args.warmup = -(-args.warmup // args.block) * args.block
+        args.steps = -(-args.steps // args.block) * args.block
     if args.worker:
         worker(args)
         return 0
