@@ -4,7 +4,7 @@
     sudo python bench/step_time.py --nodes 4 --rates 1gbit --steps 10
     sudo python bench/step_time.py --zero3 --micro-batch 1 --seq-len 32   # + ZeRO-3 rows, less compute
     sudo python bench/step_time.py --dct --nodes 4 --rates 1gbit --out runs/step_time_dct.json  # basis "dct"
-    sudo python bench/step_time.py --overlap --nodes 4 --rates 1gbit --block 3 --steps 12 --out bench/overlap_results.json
+    sudo python bench/step_time.py --overlap --nodes 4 --rates 1gbit --block 3 --steps 12  # scape.overlap
 
 For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
 node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four

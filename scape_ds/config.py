@@ -194,26 +194,28 @@ class ScapeConfig(BaseModel):
 
     overlap: bool = False
     """Overlap the exchange with compute (docs/design.md, "Overlap"): the sparse-exchanged gradients
-    are cut into buckets of ``bucket_mb`` that each lie in one owner's shard; a bucket is packed at the
-    mask with its error feedback and reduced to its owner (asynchronously) as soon as backward has
-    produced its last gradient, on the micro-batch that ends the accumulation; the step waits for
-    them, updates, and starts one asynchronous broadcast of new values per bucket; the next forward
-    waits per module (forward pre-hooks) for the buckets of its own parameters. Bytes equal the
-    non-overlapped path's, parameters too (bitwise at 2 ranks; at more ranks the order of the sum
-    can differ in the last bit). Coordinate basis, hierarchy "flat", update_rule "lazy", no
-    ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1 without pipeline parallelism, and ZeRO-3
-    with ``param_exchange "sparse_replica"`` (its all-gather of new values per bucket of parameters,
-    waited for by the forward; ZeRO-3's gradient exchange runs in DeepSpeed's own bucket hooks);
-    refused in one line elsewhere. Parameters read outside a forward after ``step()`` need
-    ``optimizer.synchronize()`` first (checkpoint saves call it). Measured on 4 emulated nodes at
-    1 Gbit/s (bench/RESULTS.md, "Overlap"): SCAPE 0.9's step from 2.98x to 2.00x its compute-only
-    time, 0.99's unchanged (~1.5x: on 2 shared CPU cores what stays exposed is the optimizer's CPU
-    work, not the wire). Off by default until ZeRO-3, basis "dct" and a GPU measurement have it."""
+    are cut into buckets of ``bucket_mb`` that each lie in one owner's shard; on the micro-batch that
+    ends the accumulation a bucket is packed at the mask with its error feedback and reduced to its
+    owner (asynchronously) once backward has produced its last gradient and the buckets before it in
+    the planned order have started; the step waits for them, updates, and starts one asynchronous
+    broadcast of new values per bucket; the next forward waits per module (forward pre-hooks) for the
+    buckets of its own parameters. Bytes equal the non-overlapped path's, parameters too (bitwise at
+    2 ranks; at more ranks the order of the sum can differ in the last bit). Coordinate basis,
+    hierarchy "flat", update_rule "lazy", no ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1
+    without pipeline parallelism, and ZeRO-3 with ``param_exchange "sparse_replica"`` (its all-gather
+    of new values per bucket of parameters, waited for by the forward; ZeRO-3's gradient exchange runs
+    in DeepSpeed's own bucket hooks); refused in one line elsewhere. What the gradients are changed
+    to between backward and ``step()`` (``clip_grad_norm_``, a ``GradScaler``'s unscale) is not seen:
+    they left in backward. Parameters read outside a forward or the model's ``state_dict()`` need
+    ``optimizer.synchronize()`` first (checkpoint saves and the model's state_dict call it). Off by
+    default: measured on 4 emulated nodes it helps SCAPE 0.9 and not 0.99 (bench/RESULTS.md,
+    "Overlap"), and it has no GPU measurement yet."""
 
     bucket_mb: float = 25.0
     """``overlap``: megabytes of gradient (in the compute dtype) per bucket, as DDP's ``bucket_cap_mb``;
     smaller buckets start sooner and cost more collectives. Rounded to whole chunks and cut at owner
-    boundaries. > 0."""
+    boundaries; under ZeRO-3 (``sparse_replica``) runs of whole parameters in ds_id order, a larger
+    parameter a bucket of its own. > 0."""
 
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""

@@ -327,6 +327,9 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
             mine = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
             if mine:
                 module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_values(mine))
+        # the model's own state_dict()/load_state_dict() read or overwrite the replicas: values land first
+        self.module.register_state_dict_pre_hook(lambda *args, **kw: self.wait_values())
+        self.module.register_load_state_dict_pre_hook(lambda *args, **kw: self.wait_values())
 
     def wait_values(self, buckets=None) -> None:
         """``scape.overlap``: wait for the new values of ``buckets`` (default: all) and write them in."""

@@ -162,6 +162,8 @@ def load_checkpoint(engine, load_dir: str, load_module_strict: bool = True) -> t
     if problems:
         refuse_load(given, problems, load_dir, tag)
     opt = scape_optimizer(engine)
+    if opt is not None and hasattr(opt, "synchronize"):
+        opt.synchronize()  # scape.overlap: no old value may land on the loaded weights
     damaged, problems, scape_state, zero3 = check_contents(tag_dir), [], None, None
     zopt = _zero3_optimizer(engine)
     if zopt is not None:  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files

@@ -104,6 +104,12 @@ class MPICommunicator:
             return t, False
         return t.detach().to("cpu"), True
 
+    def _ready(self, t: torch.Tensor) -> None:
+        """A device tensor MPI reads directly (CUDA-aware) must be written by then: MPI does not wait
+        for the kernels queued on the stream (the pack of a bucket, just before its reduce)."""
+        if t.device.type == "cuda" and self.cuda_aware:
+            torch.cuda.current_stream(t.device).synchronize()
+
     def _buf(self, t: torch.Tensor, reduce: bool = False):
         if reduce:
             if t.dtype not in _REDUCIBLE:
@@ -123,6 +129,7 @@ class MPICommunicator:
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> _Request:
         assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
         self.meter.record(tag, collective_bytes("all_gather", self._nbytes(inp), self.world_size))
+        self._ready(inp)
         h_out, staged = self._host(out)
         if _is_own_slice(inp, out, self.rank):
             # in place (SCAPE's dense step): this rank's part already sits in ``out``; MPI forbids
@@ -161,6 +168,7 @@ class MPICommunicator:
     def reduce_async(self, tensor: torch.Tensor, dst: int, tag: str) -> _Request:
         root = self.rank == dst
         self.meter.record(tag, collective_bytes("reduce", self._nbytes(tensor), self.world_size, root))
+        self._ready(tensor)
         h, staged = self._host(tensor)
         # the root reduces in place; MPI forbids aliased send and receive buffers, so say IN_PLACE
         send, recv = (self._MPI.IN_PLACE, self._buf(h, True)) if root else (self._buf(h, True), None)
@@ -171,7 +179,11 @@ class MPICommunicator:
     def broadcast_async(self, tensor: torch.Tensor, src: int, tag: str) -> _Request:
         self.meter.record(tag, collective_bytes("broadcast_all", self._nbytes(tensor), self.world_size,
                                                 self.rank == src))
-        h, staged = self._host(tensor)
+        self._ready(tensor)
+        if self.rank != src and tensor.device.type != "cpu" and not self.cuda_aware:
+            h, staged = torch.empty(tensor.shape, dtype=tensor.dtype), True  # a receiver: nothing to copy out
+        else:
+            h, staged = self._host(tensor)
         req = self.comm.Ibcast(self._buf(h), root=src)
         finish = (lambda: tensor.copy_(h)) if staged and self.rank != src else None
         return _Request(req, (h,), finish)

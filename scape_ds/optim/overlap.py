@@ -28,7 +28,10 @@ receiver; summed over the owners' buckets that is exactly the reduce-scatter's a
 count. Parameters: the update is the same arithmetic on the same sums; at D = 2 a sum of two terms
 does not depend on the algorithm, so the result is bitwise that of the non-overlapped path.
 Memory: one (K,) packed buffer and one (K,) buffer of new values per group, as the non-overlapped
-step allocates; a dense step sends from the error-feedback or gradient buffer in place.
+step allocates; a dense step sends from the error-feedback or gradient buffer in place (with fp32
+error feedback and a bf16 wire, a rounded copy per bucket, N_pad in all, as the non-overlapped
+step's one copy). What changes the gradients between backward and ``step()`` (``clip_grad_norm_``,
+a ``GradScaler``'s unscale) is not seen: they left during backward.
 """
 from __future__ import annotations
 
@@ -130,6 +133,10 @@ class OverlapExchange:
         self.forward_hooked = False
         if model is None:
             return
+        # the model's own state_dict()/load_state_dict() (the HF Trainer's model file, a user's save)
+        # read or overwrite the flat parameters: the new values in flight land first
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *args, **kw: self.wait_params()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args, **kw: self.wait_params()))
         index = {id(p): i for i, p in enumerate(self.gs.sparse_params)}
         for module in model.modules():
             mine = sorted({b for p in module.parameters(recurse=False) if id(p) in index
@@ -242,6 +249,13 @@ class OverlapExchange:
             if is_error:
                 send.zero_()  # everything was sent
         return gs.grad_slice[gs.layout.shard_slice(r)]  # (S,)
+
+    def check_idle(self, what: str) -> None:
+        """Refuse ``what`` while this step's exchange has begun in backward (buckets may be on the wire,
+        error feedback already holds this step's gradient): ``step()`` must come first."""
+        if self.dense is not None:
+            raise RuntimeError(f"scape.overlap: {what} between the backward that ends the accumulation and "
+                               f"step(): that backward has started sending its buckets; call step() first")
 
     def end_grads(self) -> None:
         """The step has consumed the reduced gradients: the next backward begins a new exchange."""

@@ -245,7 +245,10 @@ class ScapeAdamS(Optimizer):
         parameters (otherwise ``step()`` waits for all of them), and ``is_boundary()`` say whether the
         backward under way ends the gradient accumulation (DeepSpeed's
         ``engine.is_gradient_accumulation_boundary``; default: every backward does). A parameter used
-        in the forward of a module that does not hold it must be waited for with :meth:`synchronize`."""
+        in the forward of a module that does not hold it (a parametrization such as ``weight_norm``
+        keeps it in a container whose forward never runs) must be waited for with :meth:`synchronize`;
+        the model's ``state_dict()``/``load_state_dict()`` wait by themselves. Gradients changed
+        between backward and ``step()`` are not seen (they were sent during backward)."""
         self._model, self._is_boundary = model, is_boundary
         self._install_overlap()
 
@@ -442,6 +445,8 @@ class ScapeAdamS(Optimizer):
             return super().zero_grad(set_to_none)
         flat = set()
         for gs in self._groups:
+            if gs.overlap is not None:
+                gs.overlap.check_idle("zero_grad()")
             if gs.flat_grad is not None:
                 gs.flat_grad.zero_()
                 self._attach_grads(gs)
@@ -767,6 +772,9 @@ class ScapeAdamS(Optimizer):
         The state is sharded: each data-parallel rank saves and loads its own.
         """
         self._lazy_init()
+        for gs in self._groups:
+            if gs.overlap is not None:
+                gs.overlap.check_idle("state_dict()")
         self.synchronize()  # masks and (scape.overlap) new values in flight
         groups = []
         for gs in self._groups:
@@ -816,8 +824,8 @@ class ScapeAdamS(Optimizer):
         self._lazy_init()
         for gs in self._groups:
             if gs.overlap is not None:  # nothing of the old state stays in flight
+                gs.overlap.check_idle("load_state_dict()")
                 gs.overlap.wait_params()
-                gs.overlap.end_grads()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):

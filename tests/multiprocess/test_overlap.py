@@ -42,8 +42,8 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _build(seed, scape, overlap, hooked, is_boundary=None, lr=1e-2):
-    model = _Net(seed)
+def _build(seed, scape, overlap, hooked, is_boundary=None, lr=1e-2, dtype=torch.float32):
+    model = _Net(seed).to(dtype)
     opt = ScapeAdamS(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0,
                      scape=dict(scape, overlap=overlap, bucket_mb=BUCKET_MB))
     if overlap and hooked:
@@ -52,23 +52,24 @@ def _build(seed, scape, overlap, hooked, is_boundary=None, lr=1e-2):
 
 
 def _train(model, opt, rank, steps, first=0, accumulation=1, skip_every=0, micro=None):
+    dtype = next(model.parameters()).dtype
     for step in range(first, first + steps):
         opt.zero_grad()
         for m in range(accumulation):
             if micro is not None:
                 micro[0] = m
-            x, y = make_batch(step * accumulation + m, rank)
+            x, y = (t.to(dtype) for t in make_batch(step * accumulation + m, rank))
             skip = bool(skip_every) and step % skip_every == 0
             (torch.nn.functional.mse_loss(model(x, skip), y) / accumulation).backward()
         opt.step()
         yield step
 
 
-def _worker_equal(rank, world_size, tmp_path, steps, scape, accumulation, skip_every, hooked):
+def _worker_equal(rank, world_size, tmp_path, steps, scape, accumulation, skip_every, hooked, dtype=torch.float32):
     micro = [0]
     is_boundary = (lambda: micro[0] == accumulation - 1) if accumulation > 1 else None
-    ref_model, ref = _build(5, scape, False, False)
-    model, opt = _build(5, scape, True, hooked, is_boundary)
+    ref_model, ref = _build(5, scape, False, False, dtype=dtype)
+    model, opt = _build(5, scape, True, hooked, is_boundary, dtype=dtype)
     worst, replica_mismatch, byte_mismatch, ef_worst, early = 0.0, 0, 0, 0.0, []
     ref_steps = _train(ref_model, ref, rank, steps, accumulation=accumulation, skip_every=skip_every)
     for _ in _train(model, opt, rank, steps, accumulation=accumulation, skip_every=skip_every, micro=micro):
@@ -90,16 +91,17 @@ def _worker_equal(rank, world_size, tmp_path, steps, scape, accumulation, skip_e
 SCAPE = dict(sparsity=0.99, chunk_size=256, mask_refresh_interval=3, dense_numel_threshold=1024)
 
 
-@pytest.mark.parametrize("world_size,scape,accumulation,skip_every,hooked", [
-    (2, SCAPE, 1, 0, True),
-    (2, SCAPE, 2, 0, True),  # gradient accumulation: buckets start on the last micro-batch only
-    (2, SCAPE, 1, 2, True),  # a layer without a gradient every other step
-    (2, dict(SCAPE, error_feedback_dtype="bf16"), 1, 0, False),  # bf16 error feedback, fp32 wire; no forward hooks
-    (2, dict(SCAPE, compressor="dense"), 1, 0, True),
-    (4, SCAPE, 1, 0, True),
+@pytest.mark.parametrize("world_size,scape,accumulation,skip_every,hooked,dtype", [
+    (2, SCAPE, 1, 0, True, torch.float32),
+    (2, SCAPE, 2, 0, True, torch.float32),  # gradient accumulation: buckets start on the last micro-batch only
+    (2, SCAPE, 1, 2, True, torch.float32),  # a layer without a gradient every other step
+    (2, dict(SCAPE, error_feedback_dtype="bf16"), 1, 0, False, torch.float32),  # bf16 error, fp32 wire; no hooks
+    (2, SCAPE, 1, 0, True, torch.bfloat16),  # fp32 error feedback, bf16 wire: the rounding residual stays
+    (2, dict(SCAPE, compressor="dense"), 1, 0, True, torch.float32),
+    (4, SCAPE, 1, 0, True, torch.float32),
 ])
-def test_overlap_equals_the_non_overlapped_path(tmp_path, world_size, scape, accumulation, skip_every, hooked):
-    results = run_ranks(_worker_equal, world_size, tmp_path, 12, scape, accumulation, skip_every, hooked)
+def test_overlap_equals_the_non_overlapped_path(tmp_path, world_size, scape, accumulation, skip_every, hooked, dtype):
+    results = run_ranks(_worker_equal, world_size, tmp_path, 12, scape, accumulation, skip_every, hooked, dtype)
     for worst, replicas, bytes_, ef, (tags, ref_tags), early, n_buckets in results:
         assert n_buckets >= 20, n_buckets
         # the first step's buckets start in step() (no hooks before it); later ones in backward, all of
@@ -200,6 +202,33 @@ def _worker_second_backward(rank, world_size, tmp_path):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def _worker_guards(rank, world_size, tmp_path):
+    model, opt = _build(9, SCAPE, True, True)
+    for _ in _train(model, opt, rank, 2):  # the second step is sparse: hooks armed from here on
+        pass
+    good = opt.state_dict()
+    x, y = make_batch(5, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # the buckets leave
+    refused = []
+    for call in (opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict(good)):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e))
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # its pre-hook waits for the new values
+    opt.synchronize()
+    fresh = all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    return refused, fresh
+
+
+def test_mid_exchange_calls_are_refused_and_state_dict_waits(tmp_path):
+    for refused, fresh in run_ranks(_worker_guards, 2, tmp_path):
+        assert fresh  # model.state_dict() right after step() holds the new values, not the old ones
+        assert len(refused) == 3, refused  # zero_grad, state_dict, load_state_dict
+        assert all("call step() first" in m and "\n" not in m for m in refused), refused
 
 
 def test_a_second_backward_after_the_buckets_left_is_refused(tmp_path):
