@@ -150,7 +150,9 @@ class ScapeConfig(BaseModel):
     and ``dense_refresh`` do not apply. bench/RESULTS.md ("SCAPE in the DCT basis"): at sparsity 0.99
     with ds_configs/scape_dct.json (per_rank, sign, clip_local 1, ef_decay 0.999) 0.996x dense AdamW's
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
-    AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. The default stays "coordinate" because
+    AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
+    1.5e-3, half AdamW's) 1.015x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
+    than the coordinate basis's 1.021x. The default stays "coordinate" because
     ZeRO-3, hierarchy "node", elastic resume and tensor/pipeline parallelism run only there; the
     recommended setting at ZeRO stage 0/1 is ds_configs/scape_dct.json."""
 
