@@ -46,6 +46,7 @@ everything else that would change what is reduced (:func:`check_stage3_config`).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -58,7 +59,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from .comm import TorchCommunicator
 from .config import ScapeConfig
-from .exchange.core import owe_decay, settle_decay
+from .exchange.core import ValuesInFlight, owe_decay, settle_decay
 from .exchange.layout import Zero3Layout
 from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
@@ -230,7 +231,7 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
                                     [p for g in self.fp16_groups for p in g], masked, self.communication_data_type)
         # scape.overlap (sparse_replica): the new values travel in buckets, waited for by each module's forward
         self._value_buckets: list[list[int]] = []
-        self._values_in_flight: dict[int, tuple] = {}  # bucket -> (all-gather in flight, finish)
+        self._values_in_flight = ValuesInFlight()  # bucket -> its all-gather of new values
         if self.scape_config.overlap and self.scape.params:
             size = self.scape.params[0].ds_tensor.element_size()
             self._value_buckets = self.scape.param_buckets(int(self.scape_config.bucket_mb * 2**20) // size)
@@ -314,34 +315,26 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
                     p.ds_status = ZeroParamStatus.AVAILABLE
             return
         if self._value_buckets:  # scape.overlap: started here, written in by the next forward's hooks
-            for b, pending in enumerate(self.scape.start_gather_at_masks(self._value_buckets)):
-                self._values_in_flight[b] = pending
+            for b, (work, gathered) in enumerate(self.scape.start_gather_at_masks(self._value_buckets)):
+                self._values_in_flight.start(b, work, functools.partial(self._write_in, gathered))
             return
         for p, (pos, values) in zip(self.scape.params, self.scape.gather_at_masks()):
             _write_values(p, pos, values)
 
     def _hook_forward(self) -> None:
         """A forward pre-hook on every module holding SCAPE parameters: wait for their buckets."""
-        bucket_of = {id(self.scape.params[i]): b for b, bucket in enumerate(self._value_buckets) for i in bucket}
-        for module in self.module.modules():
-            mine = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
-            if mine:
-                module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_values(mine))
-        # the model's own state_dict()/load_state_dict() read or overwrite the replicas: values land first
-        self.module.register_state_dict_pre_hook(lambda *args, **kw: self.wait_values())
-        self.module.register_load_state_dict_pre_hook(lambda *args, **kw: self.wait_values())
+        buckets_of = {id(self.scape.params[i]): [b] for b, bucket in enumerate(self._value_buckets) for i in bucket}
+        self._values_in_flight.hook(self.module, buckets_of)
+
+    def _write_in(self, gathered) -> None:
+        """Write a bucket's values into the replicas; ``gathered()`` (``start_gather_at_masks``'s
+        ``finish``) lists them per parameter."""
+        for i, pos, values in gathered():
+            _write_values(self.scape.params[i], pos, values)
 
     def wait_values(self, buckets=None) -> None:
         """``scape.overlap``: wait for the new values of ``buckets`` (default: all) and write them in."""
-        if not self._values_in_flight:
-            return
-        for b in list(self._values_in_flight) if buckets is None else buckets:
-            pending = self._values_in_flight.pop(b, None)
-            if pending is not None:
-                work, finish = pending
-                work.wait()
-                for i, pos, values in finish():
-                    _write_values(self.scape.params[i], pos, values)
+        self._values_in_flight.wait(buckets)
 
     def _positions(self):
         """(flat fp32 partition, offset in it, param) of every parameter's piece on this rank."""

@@ -5,6 +5,7 @@ what they pack and where their state lives; they run the same schedule and bookk
 
 - :class:`MaskSchedule`: which steps refresh the mask and which exchange densely;
 - :class:`PendingMasks`: the asynchronous all-gather of a new mask, waited for by the next step;
+- :class:`ValuesInFlight`: ``scape.overlap``'s new values per bucket, waited for by the next forward;
 - :func:`settle_decay` / :func:`owe_decay`: lazy weight decay of the coordinates outside the mask;
 - :func:`step_comm_stats`: the per-step ``comm_stats`` dict;
 - :func:`check_same_layout`: a checkpoint loads only on the rank and world size that saved it.
@@ -12,12 +13,12 @@ what they pack and where their state lives; they run the same schedule and bookk
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["MaskSchedule", "PendingMasks", "is_refresh_step", "settle_decay", "owe_decay", "step_comm_stats",
-           "check_same_layout"]
+__all__ = ["MaskSchedule", "PendingMasks", "ValuesInFlight", "is_refresh_step", "settle_decay", "owe_decay",
+           "step_comm_stats", "check_same_layout"]
 
 
 def is_refresh_step(t: int, interval: int) -> bool:
@@ -82,6 +83,48 @@ class PendingMasks:
     def drop(self) -> None:
         """Forget the all-gather in flight (a loaded checkpoint brings its own masks)."""
         self._pending = None
+
+
+class ValuesInFlight:
+    """``scape.overlap``: new parameter values on the wire, one collective per bucket, each written in
+    when it is waited for: by the forward of a module holding its parameters (:meth:`hook`), or by
+    :meth:`wait` (a step, a save, ``synchronize()``). Path A's broadcasts and the ZeRO-3 replica's
+    all-gathers both use it."""
+
+    def __init__(self):
+        self._pending: dict[int, tuple[Any, Callable[[], None] | None]] = {}  # bucket -> (work, write-in)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def start(self, bucket: int, work, finish: Callable[[], None] | None = None) -> None:
+        """``bucket``'s collective ``work`` is in flight; ``finish()`` writes its values in after it."""
+        self._pending[bucket] = (work, finish)
+
+    def wait(self, buckets: Iterable[int] | None = None) -> None:
+        """Wait for ``buckets`` (default: every one in flight) and write their values in."""
+        for b in list(self._pending) if buckets is None else buckets:
+            pending = self._pending.pop(b, None)
+            if pending is not None:
+                work, finish = pending
+                work.wait()
+                if finish is not None:
+                    finish()
+
+    def hook(self, model: torch.nn.Module, buckets_of: dict[int, Iterable[int]]) -> tuple[list, bool]:
+        """Put a forward pre-hook on every module of ``model`` that holds a parameter of ``buckets_of``
+        (``id(p)`` -> the buckets ``p`` overlaps), waiting for those buckets, and state_dict /
+        load_state_dict pre-hooks on ``model`` waiting for all (its own save or load reads or
+        overwrites the parameters). Returns the hooks' handles and whether any module was hooked."""
+        handles = []
+        for module in model.modules():
+            mine = sorted({b for p in module.parameters(recurse=False) for b in buckets_of.get(id(p), ())})
+            if mine:
+                handles.append(module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait(mine)))
+        hooked = bool(handles)
+        handles.append(model.register_state_dict_pre_hook(lambda *args, **kw: self.wait()))
+        handles.append(model.register_load_state_dict_pre_hook(lambda *args, **kw: self.wait()))
+        return handles, hooked
 
 
 def settle_decay(flat: torch.Tensor, debt: float, kept: torch.Tensor | None) -> float:

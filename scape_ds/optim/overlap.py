@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from ..exchange.core import ValuesInFlight
 from ..exchange.layout import FlatLayout
 
 __all__ = ["Bucket", "plan_buckets", "OverlapExchange"]
@@ -120,7 +121,7 @@ class OverlapExchange:
         self._index: list[torch.Tensor] = []  # per bucket: its mask's offsets inside [lo, hi), int64
         self._index_for: torch.Tensor | None = None  # the mask ``_index`` was cut from
         self.values: torch.Tensor | None = None  # (K,) sparse step: every shard's new values
-        self._param_works: dict[int, tuple] = {}  # bucket -> (broadcast in flight, what to do after)
+        self._in_flight = ValuesInFlight()  # bucket -> its broadcast of new values
         self.is_boundary: Callable[[], bool] = lambda: True  # the micro-batch that ends the accumulation
         # statistics
         self.started_in_backward = 0  # buckets of the last exchange started by backward's hooks
@@ -133,17 +134,9 @@ class OverlapExchange:
         self.forward_hooked = False
         if model is None:
             return
-        # the model's own state_dict()/load_state_dict() (the HF Trainer's model file, a user's save)
-        # read or overwrite the flat parameters: the new values in flight land first
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *args, **kw: self.wait_params()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args, **kw: self.wait_params()))
-        index = {id(p): i for i, p in enumerate(self.gs.sparse_params)}
-        for module in model.modules():
-            mine = sorted({b for p in module.parameters(recurse=False) if id(p) in index
-                           for b in self._buckets_of[index[id(p)]]})
-            if mine:
-                self._hooks.append(module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_params(mine)))
-                self.forward_hooked = True
+        buckets_of = {id(p): self._buckets_of[i] for i, p in enumerate(self.gs.sparse_params)}
+        handles, self.forward_hooked = self._in_flight.hook(model, buckets_of)
+        self._hooks += handles
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -211,14 +204,14 @@ class OverlapExchange:
         bucket, gs, comm = self.buckets[b], self.gs, self.opt.comm
         grad = gs.grad_slice[bucket.lo : bucket.hi]  # view
         error = None if gs.error is None else gs.error[bucket.lo : bucket.hi]  # view
+        from_error = False  # the send is this bucket's slice of the error feedback, emptied after the step
         if not self.dense:
             send = self._packed[bucket.packed(self.opt.cfg.chunk_size, self.opt.cfg.k_per_chunk)]  # view
             self.opt._kernels.ef_accumulate_pack(error, grad, self._index[b], send)
         elif error is None:  # compressor "dense": the gradient as it is, reduced in place
             send = grad
         elif error.dtype == grad.dtype:  # a = e + g formed in the error buffer, emptied after the step
-            send = error.add_(grad)
-            self._sends.append((send, True))
+            send, from_error = error.add_(grad), True
         elif error.itemsize < grad.itemsize:  # bf16 error, fp32 wire: a formed in the gradient buffer
             send = grad.add_(error)
             error.zero_()
@@ -226,8 +219,7 @@ class OverlapExchange:
             error.add_(grad)
             send = error.to(grad.dtype)  # (hi - lo,) the only copy of this case
             error.sub_(send)
-        if len(self._sends) == len(self._grad_works):
-            self._sends.append((send, False))
+        self._sends.append((send, from_error))
         self._grad_works.append(comm.reduce_async(send, bucket.owner, "grad_rs"))
 
     def wait_grads(self) -> torch.Tensor:
@@ -277,8 +269,8 @@ class OverlapExchange:
         for b in reversed(range(len(self.buckets))):
             bucket = self.buckets[b]
             if dense:
-                work = comm.broadcast_async(gs.flat_param[bucket.lo : bucket.hi], bucket.owner, "param_ag")
-                self._param_works[b] = (work, None)
+                self._in_flight.start(b, comm.broadcast_async(gs.flat_param[bucket.lo : bucket.hi], bucket.owner,
+                                                                "param_ag"))
             else:
                 part = bucket.packed(C, kc)
                 values, index = self.values[part], gs.active_index[part]
@@ -286,20 +278,12 @@ class OverlapExchange:
                 def scatter(values=values, index=index):
                     kern.scatter_values(gs.flat_param, index, values)
 
-                self._param_works[b] = (comm.broadcast_async(values, bucket.owner, "param_ag"), scatter)
+                self._in_flight.start(b, comm.broadcast_async(values, bucket.owner, "param_ag"), scatter)
         if not self.forward_hooked:
             self.wait_params()
 
     def wait_params(self, buckets=None) -> None:
         """Wait for the broadcasts of ``buckets`` (default: all) and write their values in place."""
-        if not self._param_works:
-            return
-        for b in list(self._param_works) if buckets is None else buckets:
-            pending = self._param_works.pop(b, None)
-            if pending is not None:
-                work, finish = pending
-                work.wait()
-                if finish is not None:
-                    finish()
-        if not self._param_works:
+        self._in_flight.wait(buckets)
+        if not self._in_flight:
             self.values = None
