@@ -253,12 +253,15 @@ class ScapeAdamS(Optimizer):
         self._install_overlap()
 
     def _install_overlap(self) -> None:
-        for gs in self._groups or []:
-            if gs.overlap is not None:
-                gs.overlap.remove()
-                gs.overlap.install(self._model)
-                if self._is_boundary is not None:
-                    gs.overlap.is_boundary = self._is_boundary
+        for overlap in self._overlaps():
+            overlap.remove()
+            overlap.install(self._model)
+            if self._is_boundary is not None:
+                overlap.is_boundary = self._is_boundary
+
+    def _overlaps(self):
+        """``scape.overlap``: the bucketed exchange of each param group that has one, in group order."""
+        return [gs.overlap for gs in self._groups or [] if gs.overlap is not None]
 
     def next_step_dense(self) -> bool:
         """Whether the next ``step()`` exchanges densely (a refresh, or the first step after an
@@ -268,8 +271,8 @@ class ScapeAdamS(Optimizer):
     def start_ready_buckets(self) -> None:
         """``scape.overlap``: start the complete buckets, group after group (every rank issues the same
         collectives in the same order)."""
-        for gs in self._groups:
-            if gs.overlap is not None and not gs.overlap.start_ready():
+        for overlap in self._overlaps():
+            if not overlap.start_ready():
                 return
 
     # ------------------------------------------------------------------ step
@@ -281,9 +284,8 @@ class ScapeAdamS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._lazy_init()
-        for gs in self._groups:
-            if gs.overlap is not None:  # the last step's broadcasts a forward did not wait for
-                gs.overlap.wait_params()
+        for overlap in self._overlaps():  # the last step's broadcasts a forward did not wait for
+            overlap.wait_params()
         self._step += 1
         t = self._step
         if self.cfg.clip_local > 0:
@@ -298,9 +300,8 @@ class ScapeAdamS(Optimizer):
         reselect = R > 0 and not dense_step and (t - self._last_dense) % R == 0 and not self.schedule.is_dense(t + 1)
         meter = self.comm.meter
         if self.cfg.overlap:  # what backward did not start starts now, before any other collective
-            for gs in self._groups:
-                if gs.overlap is not None:
-                    gs.overlap.complete(dense_step)
+            for overlap in self._overlaps():
+                overlap.complete(dense_step)
             self.start_ready_buckets()
         reduced = [self._exchange_grads(gs, dense_step) for gs in self._groups]
         scale = self._clip_coefficient(reduced)
@@ -316,9 +317,8 @@ class ScapeAdamS(Optimizer):
             meter.record_dense(inter)
             if self._node.meter is not None:
                 self._node.meter.record_dense(intra)
-        for gs in self._groups:
-            if gs.overlap is not None:
-                gs.overlap.end_grads()
+        for overlap in self._overlaps():
+            overlap.end_grads()
         if dense_step:
             self._last_dense, self._dense_steps = t, self._dense_steps + 1
         stats = step_comm_stats(meter, t, dense_step, self._node.meter)
@@ -390,7 +390,8 @@ class ScapeAdamS(Optimizer):
                     grads.append(p.grad)
                     if not getattr(p, "scape_norm_skip", False):
                         counted.append(p.grad)
-        total = self._sum_over_norm_group(sum(_square_norm_fp64(g) for g in counted))  # one sync
+        squares = [_square_norm_fp64(g) for g in counted]
+        total = self._sum_over_norm_group(float(torch.stack(squares).sum()) if squares else 0.0)  # one sync
         scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
         if scale < 1.0:
             for g in grads:
@@ -416,7 +417,7 @@ class ScapeAdamS(Optimizer):
         total = 0.0
         for gs, (signal, dense_g) in zip(self._groups, signals):
             if signal is not None and not gs.norm_skip:
-                total += _square_norm_fp64(signal)
+                total += float(_square_norm_fp64(signal))
             total += _dense_square_norm(gs.dense_params, dense_g)
         norm = math.sqrt(self._sum_over_norm_group(total))
         self.last_grad_norm = norm
@@ -772,9 +773,8 @@ class ScapeAdamS(Optimizer):
         The state is sharded: each data-parallel rank saves and loads its own.
         """
         self._lazy_init()
-        for gs in self._groups:
-            if gs.overlap is not None:
-                gs.overlap.check_idle("state_dict()")
+        for overlap in self._overlaps():
+            overlap.check_idle("state_dict()")
         self.synchronize()  # masks and (scape.overlap) new values in flight
         groups = []
         for gs in self._groups:
@@ -822,10 +822,9 @@ class ScapeAdamS(Optimizer):
                              f"{sc['config'].get('reselect_interval', 0)}, this run has {self.cfg.reselect_interval}: "
                              f"their weight-decay states differ; resume with both 0 or both > 0")
         self._lazy_init()
-        for gs in self._groups:
-            if gs.overlap is not None:  # nothing of the old state stays in flight
-                gs.overlap.check_idle("load_state_dict()")
-                gs.overlap.wait_params()
+        for overlap in self._overlaps():  # nothing of the old state stays in flight
+            overlap.check_idle("load_state_dict()")
+            overlap.wait_params()
         if len(sc["groups"]) != len(self._groups):
             raise ValueError(f"checkpoint has {len(sc['groups'])} param groups, optimizer has {len(self._groups)}")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -876,12 +875,11 @@ def _dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None)
                if not getattr(p, "scape_norm_skip", False))
 
 
-def _square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> float:
-    """||t||^2 summed in fp64, a block at a time: no fp64 copy of a whole gradient buffer (N elements,
-    8 N bytes and a pass over them)."""
-    flat = t.reshape(-1)
-    return sum(float(torch.linalg.vector_norm(flat[i : i + block], dtype=torch.float64).square())
-               for i in range(0, flat.numel(), block))
+def _square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """||t||^2 summed in fp64, a block at a time (no fp64 copy of a whole gradient buffer: N elements,
+    8 N bytes and a pass over them), as a 0-d fp64 tensor on ``t``'s device: the caller syncs once."""
+    norms = [torch.linalg.vector_norm(part, dtype=torch.float64) for part in t.reshape(-1).split(block)]
+    return torch.stack(norms).square().sum()
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
