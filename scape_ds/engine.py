@@ -207,14 +207,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         max_grad_norm = float(ds_cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)
         ds_cfg["gradient_clipping"] = 0.0
 
-        grid = mpu if mpu is not None else (model.mpu() if _is_pipeline(model) else None)
-        if scape_cfg.basis == "dct" and grid is not None and (
-                grid.get_model_parallel_world_size() > 1 or _is_pipeline(model)
-                or getattr(grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1):
+        pipeline_module = _is_pipeline(model)
+        grid = mpu if mpu is not None else (model.mpu() if pipeline_module else None)
+        pipelined = pipeline_module or (
+            grid is not None and getattr(grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1)
+        if scape_cfg.basis == "dct" and (pipelined or (grid is not None and grid.get_model_parallel_world_size() > 1)):
             raise ValueError("scape.basis 'dct' is not verified under tensor or pipeline parallelism yet (no test "
                              "runs it there): use basis 'coordinate' with model parallelism")
-        if scape_cfg.overlap and (_is_pipeline(model) or (grid is not None and getattr(
-                grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1)):
+        if scape_cfg.overlap and pipelined:
             raise ValueError("scape.overlap is not built for pipeline parallelism (its engine runs backward per "
                              "micro-batch in its own schedule): set overlap false with pipeline stages")
 

@@ -141,7 +141,6 @@ def disable() -> None:
         _original = None
 
 
-
 def state_digest(optimizer, module) -> dict[str, str]:
     """What this rank holds of a run, as digests: ``optimizer.state_dict()`` leaf by leaf (its path,
     ``"optimizer/scape/groups/0/error"``, to the first 16 hex digits of a sha256 of the tensor's dtype, shape and
