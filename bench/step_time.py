@@ -198,7 +198,7 @@ class _Row:
             self.engine = _DDPEngine(self.model, OPT, BASE["gradient_clipping"])
         else:
             self.engine, *_ = scape_ds.initialize(model=self.model, config=config)
-        self.opt = scape_optimizer(self.engine) if name != "dense AdamW DDP" else None
+        self.opt = scape_optimizer(self.engine)  # None for the dense rows
         self.dense_bytes = collective_bytes("all_reduce", 4 * n_params, world)  # the fp32 gradient all-reduce
         self.zero3 = extra.get("zero_optimization", {}).get("stage") == 3
         if self.zero3:  # ZeRO-3: its gradient reduce-scatter (+ its parameter all-gathers, counted as they happen)
