@@ -175,6 +175,16 @@ class ScapeConfig(BaseModel):
     mask of SCAPE's coordinate basis (one owner decides), chosen fresh. Measured in bench/RESULTS.md
     ("Shared-mask sources")."""
 
+    mask_hold: int = 1
+    """``basis="dct"``, ``mask="shared"``: steps one chosen shared mask serves (>= 1); its offsets
+    travel once per mask. 1 (default): a fresh mask every step, the setting measured best
+    (bench/RESULTS.md, "Shared-mask sources")."""
+
+    mask_early: bool = False
+    """``basis="dct"``, ``mask="shared"``: choose the next mask on the last step of the current one,
+    from that step's error feedback before its send (SCAPE's one-step-early mask, which would let the
+    offsets travel under compute); false (default): from the error feedback of the step that uses it."""
+
     dct_update: Literal["sign", "adams", "adams_coef"] = "sign"
     """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
     the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
@@ -317,9 +327,13 @@ class ScapeConfig(BaseModel):
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if bad:
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
-        if self.mask_source != "union" and (self.basis, self.mask) != ("dct", "shared"):
-            raise ValueError(f"mask_source {self.mask_source!r} chooses the shared mask of basis 'dct': it needs "
-                             f"basis 'dct' and mask 'shared', got basis {self.basis!r}, mask {self.mask!r}")
+        if self.mask_hold < 1:
+            raise ValueError(f"mask_hold must be >= 1 (steps one shared mask serves), got {self.mask_hold}")
+        for name, value, default in (("mask_source", self.mask_source, "union"), ("mask_hold", self.mask_hold, 1),
+                                     ("mask_early", self.mask_early, False)):
+            if value != default and (self.basis, self.mask) != ("dct", "shared"):
+                raise ValueError(f"{name} {value!r} applies to the shared mask of basis 'dct': it needs basis 'dct' "
+                                 f"and mask 'shared', got basis {self.basis!r}, mask {self.mask!r}")
         if self.overlap:
             settings = dict(basis=(self.basis, "coordinate"), hierarchy=(self.hierarchy, "flat"),
                             update_rule=(self.update_rule, "lazy"), reselect_interval=(self.reselect_interval, 0),

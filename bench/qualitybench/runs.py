@@ -89,6 +89,10 @@ RUNS: dict[str, tuple] = {
     "dct99_shared": ("SCAPE dct 0.99, shared mask (nominated union)", "scape_dct.json", dict(mask="shared")),
     "dct99_owner": ("SCAPE dct 0.99, shared mask chosen by each tile's owner", "scape_dct.json",
                     dict(mask="shared", mask_source="owner")),
+    "dct99_hold10": ("SCAPE dct 0.99, shared union held 10 steps", "scape_dct.json",
+                     dict(mask="shared", mask_hold=10)),
+    "dct99_early": ("SCAPE dct 0.99, shared union chosen one step early", "scape_dct.json",
+                    dict(mask="shared", mask_early=True)),
     "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
     "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
                      dict(sparsity=0.9, mask="shared")),
@@ -263,6 +267,10 @@ def describe(name: str, cfg: dict) -> dict:
         mask = sc.get("mask", "per_rank")
         if mask == "shared" and sc.get("mask_source", "union") != "union":
             mask = f"shared/{sc['mask_source']}"  # the column says who chose the shared mask
+        if mask.startswith("shared") and sc.get("mask_hold", 1) > 1:
+            mask += f"/hold{sc['mask_hold']}"  # and for how long, and when
+        if mask.startswith("shared") and sc.get("mask_early"):
+            mask += "/early"
         return dict(method=method, basis="dct", mask=mask,
                     update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval="",
                     dense_refresh="", lr=lr)

@@ -14,6 +14,10 @@ has the tiles):
        and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
        ``mask_source="owner"``: the owner of each tile alone chooses its top kc from its own ``e_r``
        and the offsets are all-gathered; then the same reduce-scatter and all-gather of values.
+       ``mask_hold=T``: a shared mask, once chosen, serves T steps (its offsets travel once);
+       ``mask_early``: the mask of the next T steps is chosen on the last step of these, from that
+       step's ``e`` before its send (SCAPE's delay: the offsets could travel under compute). Both are
+       there to be measured (bench/RESULTS.md, "Shared-mask sources"), off by default.
   3. what was sent leaves ``e_r`` (``e_r[mask] = 0``): sent + kept == accumulated, coefficient by
      coefficient.
   4. every rank sums the received values in the same order into a (numel,) coefficient vector, divides
@@ -24,13 +28,33 @@ equal without a parameter all-gather.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..comm import Communicator
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.masks import offsets_to_index
 
-__all__ = ["exchange_dct", "decode_dct", "union_slots"]
+__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots"]
+
+
+@dataclass
+class HeldMask:
+    """A shared mask kept for later steps (``mask_hold`` > 1 or ``mask_early``)."""
+
+    index: torch.Tensor  # (n_chunks * slots,) int64 coefficient indices, chunk-major
+    repeated: torch.Tensor | None  # (n_chunks * slots,) bool, slots that repeat an offset (sent as 0)
+    uses_left: int  # steps this mask still serves
+
+    def state(self) -> dict:
+        return dict(index=self.index.clone(), repeated=None if self.repeated is None else self.repeated.clone(),
+                    uses_left=self.uses_left)
+
+    @classmethod
+    def from_state(cls, saved: dict, device) -> "HeldMask":
+        repeated = saved["repeated"]
+        return cls(saved["index"].to(device), None if repeated is None else repeated.to(device), saved["uses_left"])
 
 
 def union_slots(nominated: torch.Tensor, n_chunks: int, world_size: int, per_rank: int,
@@ -63,20 +87,39 @@ def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor
     return out.view(torch.int16)
 
 
+def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, k_per_chunk: int,
+                   mask_source: str, uses: int) -> HeldMask:
+    """The one shared mask from this rank's ``error`` as it is now (its offsets all-gathered)."""
+    C, D, n_chunks = tiles.chunk_size, comm.world_size, tiles.n_chunks
+    if mask_source == "owner":  # each tile's owner chooses from its own accumulator
+        own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
+        chosen = kernels.chunk_topk(own, C, k_per_chunk)  # (S/C kc,) int16
+        all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+        return HeldMask(offsets_to_index(all_chosen, C, k_per_chunk), None, uses)  # (n_chunks kc,) int64
+    K = max(1, k_per_chunk // D)
+    nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
+    all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
+    index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
+    return HeldMask(index.view(-1), repeated.view(-1), uses)  # chunk-major, so shard-major
+
+
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
-                 mask_source: str = "union") -> torch.Tensor:
+                 mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
+                 held: HeldMask | None = None) -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
-    (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u).
+    (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
+    shared mask to keep for the next step (None when the next step chooses afresh).
 
-    Allocates that (numel,) vector (the one buffer of the model's size a step needs) and the packed
-    values and offsets (O(D k)).
+    ``held``: the shared mask kept by the last step (mask "shared" with ``mask_hold`` > 1 or
+    ``mask_early``). Allocates that (numel,) vector (the one buffer of the model's size a step needs) and
+    the packed values and offsets (O(D k)).
     """
     C, D = tiles.chunk_size, comm.world_size
-    n_chunks = tiles.n_chunks
     to_coefficients(tiles, grad, error, q, kernels, decay=ef_decay)  # e = decay * e + Q g
     mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
+    keep = None
     if mask == "per_rank":
         offsets = kernels.chunk_topk(error, C, k_per_chunk)  # (n_chunks kc,) int16
         index = offsets_to_index(offsets, C, k_per_chunk)  # (k,) int64
@@ -93,19 +136,19 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         if k_per_chunk == C:  # sparsity 0: the mask is every coefficient, no nominations travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
             values = error.clone()  # (numel,)
-        elif mask_source == "owner":  # each tile's owner chooses from its own accumulator
-            own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
-            chosen = kernels.chunk_topk(own, C, k_per_chunk)  # (S/C kc,) int16
-            all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
-            index = offsets_to_index(all_chosen, C, k_per_chunk)  # (n_chunks kc,) int64
-            values = error.index_select(0, index)  # (n_chunks kc,)
         else:
-            K = max(1, k_per_chunk // D)
-            nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
-            all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
-            index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
-            index = index.view(-1)  # (n_chunks D K,) chunk-major, so shard-major
-            values = error.index_select(0, index).masked_fill_(repeated.view(-1), 0.0)  # (n_chunks D K,)
+            fresh = held is None or held.uses_left <= 0
+            now = _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold) if fresh else held
+            if mask_early and now.uses_left == 1:  # the next mask, from e before this step's send
+                keep = (HeldMask(now.index, now.repeated, mask_hold) if fresh  # chosen from this same e
+                        else _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold))
+            now.uses_left -= 1
+            if keep is None and now.uses_left > 0:
+                keep = now
+            index = now.index  # (n_chunks slots,) int64
+            values = error.index_select(0, index)  # (n_chunks slots,)
+            if now.repeated is not None:
+                values.masked_fill_(now.repeated, 0.0)
         error.index_fill_(0, index, 0.0)
         owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
         comm.reduce_scatter(owned, values, "grad_rs")
@@ -113,7 +156,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         mean.index_add_(0, index, values)  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
-    return mean.div_(D)
+    return mean.div_(D), keep
 
 
 def decode_dct(tiles: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> torch.Tensor:

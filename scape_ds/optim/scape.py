@@ -52,7 +52,7 @@ from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
-from .dct_step import decode_dct, exchange_dct
+from .dct_step import HeldMask, decode_dct, exchange_dct
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -89,6 +89,7 @@ class _GroupState:
     window_decay: list[float] = field(default_factory=lambda: [1.0])  # reselect: prod of 1 - lr*wd in the window
     tiles: TileLayout | None = None  # basis "dct": where each weight's tiles lie in the coefficient buffer
     dct_q: torch.Tensor | None = None  # basis "dct": (t, t) fp32 the DCT-II matrix
+    held_mask: HeldMask | None = None  # basis "dct", mask "shared": the mask kept for the next step
     overlap: OverlapExchange | None = None  # scape.overlap: the bucketed exchange of the sparse params
 
 
@@ -337,9 +338,10 @@ class ScapeAdamS(Optimizer):
             signal = None
             if gs.flat_param is not None:
                 self._attach_grads(gs)
-                signal = exchange_dct(self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q,
-                                      mask=cfg.mask, k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay,
-                                      mask_source=cfg.mask_source)  # (numel,)
+                signal, gs.held_mask = exchange_dct(
+                    self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q, mask=cfg.mask,
+                    k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, mask_source=cfg.mask_source,
+                    mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=gs.held_mask)  # (numel,)
                 if cfg.dct_update != "adams_coef":
                     signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
             signals.append((signal, dense_g))
@@ -784,6 +786,7 @@ class ScapeAdamS(Optimizer):
                 dense_momenta=[m.clone() for m in gs.dense_momenta],
                 catchup_second=_clone(gs.catchup_second), drift_sign=_clone(gs.drift_sign),
                 decay_mark=_clone(gs.decay_mark), window_decay=list(gs.window_decay),
+                held_mask=None if gs.held_mask is None else gs.held_mask.state(),
                 numel=gs.layout.numel, padded_numel=gs.layout.padded_numel,
             ))
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -840,6 +843,9 @@ class ScapeAdamS(Optimizer):
             _copy_into(gs.drift_sign, saved.get("drift_sign"))
             _copy_into(gs.decay_mark, saved.get("decay_mark"))
             gs.window_decay = list(saved.get("window_decay", [1.0]))
+            gs.held_mask = None  # basis "dct", mask "shared": the mask of the next steps, if one was kept
+            if saved.get("held_mask") is not None:
+                gs.held_mask = HeldMask.from_state(saved["held_mask"], gs.flat_param.device)
             for m, s in zip(gs.dense_momenta, saved["dense_momenta"]):
                 m.copy_(s)
             gs.pending.drop()

@@ -135,6 +135,116 @@ def test_dct_replicas_equal_error_feedback_exact_every_parameter_moves(tmp_path,
         assert moved > 0.95, results  # a sparse message in coefficients moves (nearly) every parameter
 
 
+def _union_of(noms: torch.Tensor, world_size: int, n_chunks: int, K: int) -> list[list[int]]:
+    """Each chunk's slots of the nominated union, rank-major nominations read by a plain loop: the
+    in-chunk offset of every slot, -1 where it repeats an earlier slot's."""
+    noms = noms.view(world_size, n_chunks, K)
+    slots = []
+    for c in range(n_chunks):
+        seen, row = set(), []
+        for r in range(world_size):
+            for j in range(K):
+                off = int(noms[r, c, j])
+                row.append(-1 if off in seen else off)
+                seen.add(off)
+        slots.append(row)
+    return slots
+
+
+def _worker_held_mask(rank, world_size, tmp_path, steps, hold, early):
+    """mask "shared" with ``mask_hold``/``mask_early``: which steps gather offsets, which slots every
+    step sends, from which error feedback they were chosen, and sent + kept == accumulated."""
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
+                     scape=dict(SCAPE, mask="shared", mask_hold=hold, mask_early=early))
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    q = dct_matrix(16, torch.float64)
+    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
+    produced = sent = kept = slots = upcoming = None
+    chose_at, worst, mismatches, wrong_source = [], 0.0, 0, 0
+    for step in range(1, steps + 1):
+        x, y = make_batch(step, rank)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+        opt.step()
+        gs = opt._groups[0]
+        n_chunks = gs.tiles.numel // C
+        if produced is None:
+            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
+            sent, kept = torch.zeros_like(produced), torch.zeros_like(produced)
+        step_q = torch.zeros_like(produced)
+        to_coefficients(gs.tiles, grads, step_q, q, torch_kernels, decay=1.0)  # fp64 Q g of this step
+        before_send = kept + step_q  # this rank's e before the send (ef_decay 1)
+        produced += step_q
+        log = {tag: (inp, out) for tag, inp, out in comm.log}
+        comm.log.clear()
+        K = max(1, opt.cfg.k_per_chunk // world_size)
+        if "index_ag" in log:
+            chose_at.append(step)
+            mine = offsets_of(log["index_ag"][0]).view(n_chunks, K)
+            for c in range(n_chunks):  # chosen from this step's e before its send: the top K of each chunk
+                tile = before_send[c * C : (c + 1) * C].abs()
+                inside = tile[mine[c]].min()
+                outside = tile.clone().index_fill_(0, mine[c], 0.0).max()
+                wrong_source += int(inside < outside - 1e-6 * float(tile.max()))
+            fresh = _union_of(offsets_of(log["index_ag"][1]), world_size, n_chunks, K)
+            if early and step > 1:
+                upcoming = fresh  # serves from the next step on
+            else:
+                slots = upcoming = fresh
+        values = log["grad_rs"][0].double().view(n_chunks, world_size * K)
+        for c, row in enumerate(slots):
+            for j, off in enumerate(row):
+                if off >= 0:
+                    sent[c * C + off] += float(values[c, j])
+                else:
+                    assert values[c, j] == 0, "a repeated nomination must be sent as 0"
+        if early:
+            slots = upcoming
+        kept = opt.error_feedback().double().clone()
+        worst = max(worst, float((sent + kept - produced).abs().max()))
+        after = flat_params(model)
+        mismatches += sum(not torch.equal(after, c) for c in _gather(after))
+    return chose_at, worst / float(produced.abs().max()), mismatches, wrong_source
+
+
+@pytest.mark.parametrize("hold,early,world_size,want", [(3, False, 2, [1, 4, 7]), (1, True, 2, list(range(1, 9))),
+                                                         (3, True, 4, [1, 3, 6]), (1, False, 2, list(range(1, 9)))])
+def test_dct_shared_mask_held_or_chosen_early(tmp_path, hold, early, world_size, want):
+    # chosen at step 1 for steps 1..T, then (mask_early) on the last step of each mask from that step's
+    # e before its send, or (held) on the first step it serves; with early and T = 1 the mask of step 2
+    # is step 1's own (the same e), so step 1 gathers once
+    results = run_ranks(_worker_held_mask, world_size, tmp_path, 8, hold, early)
+    for chose_at, worst, mismatches, wrong_source in results:
+        assert chose_at == want, results
+        assert mismatches == 0, results  # replicas bitwise equal after every step
+        assert worst <= 1e-6, results  # sent + kept == accumulated, to fp32 rounding of e
+        assert wrong_source == 0, results  # every nomination is a top K of that step's e before its send
+
+
+def _worker_held_resume(rank, world_size, tmp_path):
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    settings = dict(SCAPE, mask="shared", mask_hold=3, mask_early=True)
+    model = make_mlp(seed=4)
+    opt = ScapeAdamS(model.parameters(), **hp, scape=settings)
+    _train(model, opt, rank, 4, 0)  # the saved state holds the mask of steps 4..6 (chosen at step 3), 2 uses left
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train(model, opt, rank, 5, 4)
+    straight = flat_params(model)
+    again = make_mlp(seed=99)
+    again.load_state_dict(saved_model)
+    opt2 = ScapeAdamS(again.parameters(), **hp, scape=settings)
+    opt2.load_state_dict(saved_opt)
+    _train(again, opt2, rank, 5, 4)
+    return torch.equal(straight, flat_params(again)), saved_opt["scape"]["groups"][0]["held_mask"] is not None
+
+
+def test_dct_held_mask_resume_is_exact(tmp_path):
+    assert run_ranks(_worker_held_resume, 2, tmp_path) == [(True, True)] * 2
+
+
 @pytest.mark.parametrize("mask,world_size", [("per_rank", 2), ("shared", 2), ("shared", 4)])
 def test_dct_density_one_adams_is_dense_adams(tmp_path, mask, world_size):
     extra = dict(basis="dct", mask=mask, dct_update="adams")

@@ -111,8 +111,16 @@ def test_config_dct_fields_and_refusals():
     with pytest.raises(ValueError, match="scape.mask"):
         parse_scape_config(dict(mask="global"))
     assert parse_scape_config(dict(basis="dct", mask="shared", mask_source="owner")).mask_source == "owner"
-    with pytest.raises(ValueError, match="mask_source 'owner' chooses the shared mask of basis 'dct'"):
+    with pytest.raises(ValueError, match="mask_source 'owner' applies to the shared mask of basis 'dct'"):
         parse_scape_config(dict(basis="dct", mask_source="owner"))  # per_rank has no shared mask
+    held = parse_scape_config(dict(basis="dct", mask="shared", mask_hold=10, mask_early=True))
+    assert (held.mask_hold, held.mask_early) == (10, True)
+    with pytest.raises(ValueError, match="mask_hold 5 applies to the shared mask"):
+        parse_scape_config(dict(basis="dct", mask_hold=5))
+    with pytest.raises(ValueError, match="mask_early True applies to the shared mask"):
+        parse_scape_config(dict(mask_early=True))
+    with pytest.raises(ValueError, match="mask_hold must be >= 1"):
+        parse_scape_config(dict(basis="dct", mask="shared", mask_hold=0))
 
 
 def test_union_slots_with_one_nomination_per_rank_is_contiguous():
