@@ -214,9 +214,11 @@ class ScapeConfig(BaseModel):
     buckets of its own parameters. Bytes equal the non-overlapped path's, parameters too (bitwise at
     2 ranks; at more ranks the order of the sum can differ in the last bit). Coordinate basis,
     hierarchy "flat", update_rule "lazy", no ``reselect_interval`` or ``clip_local``, ZeRO stage 0/1
-    without pipeline parallelism, and ZeRO-3 with ``param_exchange "sparse_replica"`` (its all-gather
-    of new values per bucket of parameters, waited for by the forward; ZeRO-3's gradient exchange runs
-    in DeepSpeed's own bucket hooks); refused in one line elsewhere. What the gradients are changed
+    (with tensor parallelism, and pipeline stages as DeepSpeed's PipelineModule: buckets leave in the
+    last backward of each ``train_batch``, the tied weights' group in the step), and ZeRO-3 with
+    ``param_exchange "sparse_replica"`` (its all-gather of new values per bucket of parameters,
+    waited for by the forward; ZeRO-3's gradient exchange runs in DeepSpeed's own bucket hooks);
+    refused in one line elsewhere. What the gradients are changed
     to between backward and ``step()`` (``clip_grad_norm_``, a ``GradScaler``'s unscale) is not seen:
     they left in backward. Parameters read outside a forward or the model's ``state_dict()`` need
     ``optimizer.synchronize()`` first (checkpoint saves and the model's state_dict call it). Off by

@@ -214,9 +214,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if scape_cfg.basis == "dct" and (pipelined or (grid is not None and grid.get_model_parallel_world_size() > 1)):
             raise ValueError("scape.basis 'dct' is not verified under tensor or pipeline parallelism yet (no test "
                              "runs it there): use basis 'coordinate' with model parallelism")
-        if scape_cfg.overlap and pipelined:
-            raise ValueError("scape.overlap is not built for pipeline parallelism (its engine runs backward per "
-                             "micro-batch in its own schedule): set overlap false with pipeline stages")
+        if scape_cfg.overlap and pipelined and not pipeline_module:
+            raise ValueError("scape.overlap with pipeline stages is built for DeepSpeed's PipelineModule (its schedule "
+                             "says which backward ends the batch and which gradients are summed across stages "
+                             "afterwards): use a PipelineModule or set overlap false")
 
         def build_optimizer(params):
             # a PipelineModule brings its own grid (DeepSpeed uses it as the mpu)
@@ -257,7 +258,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             engine.pipeline_enable_backward_allreduce = False  # the PipelineEngine's own data-parallel all-reduce
         route_checkpoints(engine)  # every rank's SCAPE state in DeepSpeed's own save/load (the HF Trainer's)
         if scape_cfg.overlap:  # the forward waits per module for new values; backward sends at the boundary
-            engine.optimizer.attach_model(engine.module, engine.is_gradient_accumulation_boundary)
+            if pipeline_module:  # the last backward of a train_batch; tied weights exchange in step()
+                tied = [w for w, _ in engine.module.get_tied_weights_and_groups()]
+                engine.optimizer.attach_model(engine.module, _last_backward_of_batch(engine), exchange_at_step=tied)
+            else:
+                engine.optimizer.attach_model(engine.module, engine.is_gradient_accumulation_boundary)
     from .checkpoint.files import safe_loading
 
     safe_loading(engine)  # DeepSpeed's own load_checkpoint (the HF Trainer's resume) reads with weights_only=True
@@ -427,6 +432,35 @@ def _param_groups(model) -> list:
             groups.setdefault(getattr(p, "scape_group", None), []).append(p)
     ordered = sorted(groups.items(), key=lambda kv: "" if kv[0] is None else kv[0])
     return [{"params": ps} for _, ps in ordered]
+
+
+def _last_backward_of_batch(engine):
+    """A PipelineEngine's answer to "does the backward under way end the batch": its own
+    ``is_gradient_accumulation_boundary`` is true only inside its ReduceGrads and OptimizerStep
+    instructions, after every backward. Counts the BackwardPass instructions of each ``train_batch``
+    (this engine's instruction map, wrapped) and answers True during the ``micro_batches``-th."""
+    from deepspeed.runtime.pipe import schedule
+
+    state = dict(count=0, last=False)
+    base = type(engine)._INSTRUCTION_MAP
+    backward_pass, train_batch = base[schedule.BackwardPass], engine.train_batch
+
+    def counted_backward_pass(self, buffer_id):
+        state["count"] += 1
+        state["last"] = state["count"] == self.micro_batches
+        try:
+            backward_pass(self, buffer_id)
+        finally:
+            state["last"] = False
+
+    @functools.wraps(train_batch)
+    def counted_train_batch(*args, **kwargs):
+        state["count"] = 0
+        return train_batch(*args, **kwargs)
+
+    engine._INSTRUCTION_MAP = {**base, schedule.BackwardPass: counted_backward_pass}  # this engine only
+    engine.train_batch = counted_train_batch
+    return lambda: state["last"]
 
 
 def _is_pipeline(model) -> bool:

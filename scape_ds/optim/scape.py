@@ -162,6 +162,7 @@ class ScapeAdamS(Optimizer):
         self._dense_steps = 0  # dense exchanges so far
         self._model = None  # scape.overlap: the model whose forward waits for new values (attach_model)
         self._is_boundary = None  # scape.overlap: whether a backward ends the gradient accumulation
+        self._at_step: set[int] = set()  # scape.overlap: ids of parameters whose gradient changes after backward
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
@@ -230,7 +231,7 @@ class ScapeAdamS(Optimizer):
                 elif self.cfg.update_rule == "sign_drift":
                     gs.drift_sign = torch.zeros(layout.padded_numel, dtype=torch.int8, device=device)  # (N_pad,)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
-                if self.cfg.overlap:  # buckets of bucket_mb in the compute dtype
+                if self.cfg.overlap and not any(id(p) in self._at_step for p in sparse):  # bucket_mb, compute dtype
                     gs.overlap = OverlapExchange(self, gs, int(self.cfg.bucket_mb * 2**20) // flat.element_size())
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
@@ -241,7 +242,7 @@ class ScapeAdamS(Optimizer):
             self._groups.append(gs)
         self._install_overlap()
 
-    def attach_model(self, model: torch.nn.Module, is_boundary=None) -> None:
+    def attach_model(self, model: torch.nn.Module, is_boundary=None, exchange_at_step=()) -> None:
         """``scape.overlap``: let ``model``'s forward wait per module for the new values of its own
         parameters (otherwise ``step()`` waits for all of them), and ``is_boundary()`` say whether the
         backward under way ends the gradient accumulation (DeepSpeed's
@@ -249,8 +250,17 @@ class ScapeAdamS(Optimizer):
         in the forward of a module that does not hold it (a parametrization such as ``weight_norm``
         keeps it in a container whose forward never runs) must be waited for with :meth:`synchronize`;
         the model's ``state_dict()``/``load_state_dict()`` wait by themselves. Gradients changed
-        between backward and ``step()`` are not seen (they were sent during backward)."""
+        between backward and ``step()`` are not seen (they were sent during backward), except those of
+        ``exchange_at_step`` (parameters, e.g. a pipeline's tied weights, whose gradient is summed
+        across stages after backward): their param groups exchange inside ``step()``, as without
+        overlap."""
         self._model, self._is_boundary = model, is_boundary
+        self._at_step = {id(p) for p in exchange_at_step}
+        for gs in self._groups or []:
+            if gs.overlap is not None and any(id(p) in self._at_step for p in gs.sparse_params):
+                gs.overlap.check_idle("attach_model()")
+                gs.overlap.remove()
+                gs.overlap = None
         self._install_overlap()
 
     def _install_overlap(self) -> None:

@@ -59,12 +59,12 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
     cfg = GPTConfig(**CFG, dropout=dropout)
     dp_rank, dp_group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
     tp_group = mpu.get_tensor_model_parallel_group()
+    config = _ds_config(sparsity, gas)
+    config["scape"].update(overlap=overlap, bucket_mb=4 * 256 * 4 / 2**20)  # scape.overlap: many buckets
     if pp > 0:  # flat model
         torch.manual_seed(0)
         model = MegatronGPT(cfg)
         model_parallel_seed(0)
-        config = _ds_config(sparsity, gas)
-        config["scape"].update(overlap=overlap, bucket_mb=4 * 256 * 4 / 2**20)  # scape.overlap: many buckets
         engine, *_ = scape_ds.initialize(model=model, config=config, mpu=mpu)
     else:  # -pp: a DeepSpeed PipelineModule with |pp| stages
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -72,8 +72,9 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
         topo = PipeModelDataParallelTopology(num_pp=-pp, num_mp=tp, num_dp=world_size // (tp * -pp))
         model = build_pipeline_gpt(cfg, topo, seed=0)
         model_parallel_seed(0)
-        engine, *_ = scape_ds.initialize(model=model, config=_ds_config(sparsity, gas))
+        engine, *_ = scape_ds.initialize(model=model, config=config)
     losses, dp_breaks, tp_breaks = [], 0, 0
+    in_backward = []  # scape.overlap: buckets each overlapped param group started in backward, per step
     for step in range(steps):
         if pp > 0:
             total = torch.zeros(1, dtype=torch.float64)
@@ -89,6 +90,7 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
             batches = iter([_batch(step * gas + micro, dp_rank) for micro in range(gas)])
             losses.append(float(engine.train_batch(data_iter=batches)))  # mean over DP and micro-batches
         if overlap:
+            in_backward.append([o.started_in_backward for o in engine.optimizer._overlaps()])
             engine.optimizer.synchronize()  # read outside a forward: wait for the new values
         params = [p.detach().reshape(-1) for p in engine.module.parameters()]
         dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
@@ -97,6 +99,8 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
         if replicated:
             tp_breaks += not _gathered_equal(torch.cat(replicated), tp_group)
     engine.optimizer.synchronize()
+    if overlap:
+        return losses, dp_breaks, tp_breaks, in_backward
     return losses, dp_breaks, tp_breaks
 
 
@@ -138,7 +142,37 @@ def test_overlap_under_tp2_equals_the_non_overlapped_run(tmp_path):
     plain = run_ranks(_worker_train, 4, tmp_path / "plain", 2, 1, 0.99, 8, 2)
     overlapped = run_ranks(_worker_train, 4, tmp_path / "overlap", 2, 1, 0.99, 8, 2, 0.0, True)
     assert [r[0] for r in overlapped] == [r[0] for r in plain], (plain[0][0], overlapped[0][0])
-    assert all(dp == 0 and tpb == 0 for _, dp, tpb in overlapped), [r[1:] for r in overlapped]
+    assert all(dp == 0 and tpb == 0 for _, dp, tpb, _ in overlapped), [r[1:3] for r in overlapped]
+
+
+def test_overlap_under_pp2_equals_the_non_overlapped_run(tmp_path):
+    # scape.overlap with DeepSpeed's PipelineModule (PP 2 x DP 2, GAS 2): the buckets go out during the
+    # last BackwardPass of each train_batch (counted; the engine's own boundary is true only after
+    # backward), the tied embedding's group, summed across the stages by ReduceTiedGrads, in step()
+    plain = run_ranks(_worker_train, 4, tmp_path / "plain", 1, -2, 0.99, 8, 2)
+    overlapped = run_ranks(_worker_train, 4, tmp_path / "overlap", 1, -2, 0.99, 8, 2, 0.0, True)
+    assert [r[0] for r in overlapped] == [r[0] for r in plain], (plain[0][0], overlapped[0][0])
+    assert all(dp == 0 and tpb == 0 for _, dp, tpb, _ in overlapped), [r[1:3] for r in overlapped]
+    for _, _, _, in_backward in overlapped:  # every stage has an overlapped group whose buckets left in backward
+        assert in_backward[0] and all(n > 0 for step in in_backward[1:] for n in step), in_backward
+
+
+def _worker_overlap_own_pipeline(rank, world_size, tmp_path):
+    _set_env(rank)
+    import scape_ds
+    from scape_ds.megatron import MegatronGPT, init_model_parallel
+    from scape_ds.models import GPTConfig
+
+    mpu = init_model_parallel(1, 2)  # two pipeline stages of a schedule the user runs: not a PipelineModule
+    config = _ds_config(0.99)
+    config["scape"]["overlap"] = True
+    with pytest.raises(ValueError, match="scape.overlap with pipeline stages is built for DeepSpeed's PipelineModule"):
+        scape_ds.initialize(model=MegatronGPT(GPTConfig(**CFG)), config=config, mpu=mpu)
+    return True
+
+
+def test_overlap_refuses_pipeline_stages_without_a_pipeline_module(tmp_path):
+    assert run_ranks(_worker_overlap_own_pipeline, 2, tmp_path) == [True, True]
 
 
 # ---------------------------------------------------------------- the mpu adapter under DeepSpeed's own engine
