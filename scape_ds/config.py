@@ -139,22 +139,22 @@ class ScapeConfig(BaseModel):
     ``comm_backend="mpi"`` MPI's shared-memory split)."""
 
     basis: Literal["coordinate", "dct"] = "coordinate"
-    """Where the sparse message lives. ``coordinate``: kept coordinates of the parameters themselves,
-    chosen from the owner's momentum and held for ``mask_refresh_interval`` steps (SCAPE's own mode).
-    ``dct``: coefficients of an orthonormal 2-D DCT-II of each weight matrix cut into square tiles of
+    """Where the sparse message lives. ``coordinate``: kept coordinates of the parameters themselves, chosen
+    from the owner's momentum and held for ``mask_refresh_interval`` steps (SCAPE's own mode). ``dct``:
+    coefficients of an orthonormal 2-D DCT-II of each weight matrix cut into square tiles of
     sqrt(``chunk_size``) x sqrt(``chunk_size``) (64 x 64 at the default 4096; weight edges padded with
     zeros inside their last tile), error feedback per rank in coefficients, a fresh mask every step
-    (``mask``), and an update formed in real space from the decoded sparse mean (``dct_update``):
-    every parameter moves every step although only k coefficients per tile travel
-    (docs/design.md, "Transform basis"). Stage 0/1, ``hierarchy "flat"`` only; ``mask_refresh_interval``
-    and ``dense_refresh`` do not apply. bench/RESULTS.md ("SCAPE in the DCT basis"): at sparsity 0.99
+    (``mask``), and an update formed in real space from the decoded sparse mean (``dct_update``): every
+    parameter moves every step although only k coefficients per tile travel (docs/design.md, "Transform
+    basis"). Stage 0/1, ``hierarchy "flat"`` only; ``mask_refresh_interval`` and ``dense_refresh`` apply
+    only to ``mask_source "momentum"``. bench/RESULTS.md ("SCAPE in the DCT basis"): at sparsity 0.99
     with ds_configs/scape_dct.json (per_rank, sign, clip_local 1, ef_decay 0.999) 0.996x dense AdamW's
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     1.5e-3, half AdamW's) 1.015x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
-    than the coordinate basis's 1.021x. The default stays "coordinate" because
-    ZeRO-3, hierarchy "node", elastic resume and tensor/pipeline parallelism run only there; the
-    recommended setting at ZeRO stage 0/1 is ds_configs/scape_dct.json."""
+    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node",
+    elastic resume and tensor/pipeline parallelism run only there; the recommended setting at ZeRO stage
+    0/1 is ds_configs/scape_dct.json."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"
     """``basis="dct"``: ``per_rank``: every rank sends its own top-kc coefficients of each tile with
@@ -167,13 +167,17 @@ class ScapeConfig(BaseModel):
     1.017x at 2.01%. per_rank's bytes grow as 0.75 D rho of dense, shared's stay at 1.25 rho
     (docs/design.md, "Transform basis"): per_rank (the default) for the loss, shared for the bytes."""
 
-    mask_source: Literal["union", "owner"] = "union"
+    mask_source: Literal["union", "owner", "momentum"] = "union"
     """``basis="dct"``, ``mask="shared"``: who chooses the one mask. ``union``: every rank nominates its
     top max(1, kc // D) of each tile from this step's error feedback and the union is the mask (above).
     ``owner``: the rank that owns a tile (shard r: tiles [r n / D, (r+1) n / D)) chooses its top kc from
     its own error feedback, this step, and the others send their values at those coefficients: the
-    mask of SCAPE's coordinate basis (one owner decides), chosen fresh. Measured in bench/RESULTS.md
-    ("Shared-mask sources")."""
+    mask of SCAPE's coordinate basis (one owner decides), chosen fresh. ``momentum``: SCAPE's own
+    source in coefficients: the owner keeps a first moment (beta1) of the reduced mean coefficients
+    of its tiles, updated where they were sent and, on the dense steps every
+    ``mask_refresh_interval`` (and the first), everywhere; after each step it chooses the next step's
+    mask from it (one step early), 4 bytes per coefficient of its shard more. Measured in
+    bench/RESULTS.md ("Shared-mask sources")."""
 
     mask_hold: int = 1
     """``basis="dct"``, ``mask="shared"``: steps one chosen shared mask serves (>= 1); its offsets
@@ -185,10 +189,12 @@ class ScapeConfig(BaseModel):
     from that step's error feedback before its send (SCAPE's one-step-early mask, which would let the
     offsets travel under compute); false (default): from the error feedback of the step that uses it."""
 
-    dct_update: Literal["sign", "adams", "adams_coef"] = "sign"
+    dct_update: Literal["sign", "signum", "adams", "adams_coef"] = "sign"
     """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
     the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
-    optimizer state); ``adams``: one AdamS step on u with a momentum kept on every rank (4 bytes per
+    optimizer state); ``signum``: ``p -= lr * sign(m)``, m = beta1 m + (1 - beta1) u a momentum of
+    the decoded mean kept on every rank (4 bytes per parameter; at sparsity 0 this is Signum on the
+    mean gradient); ``adams``: one AdamS step on u with a momentum kept on every rank (4 bytes per
     parameter more than ``sign``; at sparsity 0 this is dense AdamS); ``adams_coef``: AdamS on the
     mean coefficients themselves (its momentum in coefficients, on every rank), its step decoded, weight
     decay in real space (at sparsity 0: dense AdamS on the DCT-rotated parameters). At 0.99 ``adams``

@@ -91,11 +91,17 @@ RUNS: dict[str, tuple] = {
                     dict(mask="shared", mask_source="owner")),
     "dct99_hold10": ("SCAPE dct 0.99, shared union held 10 steps", "scape_dct.json",
                      dict(mask="shared", mask_hold=10)),
+    "dct99_momentum": ("SCAPE dct 0.99, shared mask from the owner's first moment, dense every 100 steps",
+                       "scape_dct.json", dict(mask="shared", mask_source="momentum", mask_refresh_interval=100)),
     "dct99_early": ("SCAPE dct 0.99, shared union chosen one step early", "scape_dct.json",
                     dict(mask="shared", mask_early=True)),
     "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
     "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
                      dict(sparsity=0.9, mask="shared")),
+    "dct90_signum": ("SCAPE dct 0.9, per-rank masks, sign of a momentum of the decoded mean", "scape_dct.json",
+                     dict(sparsity=0.9, dct_update="signum")),
+    "dct99_signum": ("SCAPE dct 0.99, per-rank masks, sign of a momentum of the decoded mean", "scape_dct.json",
+                     dict(dct_update="signum")),
     "dct90_adams": ("SCAPE dct 0.9, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
                     dict(sparsity=0.9, dct_update="adams")),
     "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
@@ -271,8 +277,9 @@ def describe(name: str, cfg: dict) -> dict:
             mask += f"/hold{sc['mask_hold']}"  # and for how long, and when
         if mask.startswith("shared") and sc.get("mask_early"):
             mask += "/early"
+        refresh = sc.get("mask_refresh_interval", 100) if sc.get("mask_source") == "momentum" else ""
         return dict(method=method, basis="dct", mask=mask,
-                    update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval="",
+                    update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval=refresh,
                     dense_refresh="", lr=lr)
     return dict(method=sc.get("compressor", "scape"), basis="coordinate", mask="shared",
                 update_rule=sc.get("update_rule", "lazy"), sparsity=sc["sparsity"],

@@ -14,6 +14,10 @@ has the tiles):
        and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
        ``mask_source="owner"``: the owner of each tile alone chooses its top kc from its own ``e_r``
        and the offsets are all-gathered; then the same reduce-scatter and all-gather of values.
+       ``mask_source="momentum"`` (SCAPE's own source, in coefficients): each tile's owner keeps a
+       first moment m of the reduced mean coefficients of its tiles (lazy: updated where they were
+       sent; every coefficient on the dense steps of ``mask_refresh_interval``) and after each step
+       chooses the next step's mask as its top kc of ``|m|`` (one step early), offsets all-gathered.
        ``mask_hold=T``: a shared mask, once chosen, serves T steps (its offsets travel once);
        ``mask_early``: the mask of the next T steps is chosen on the last step of these, from that
        step's ``e`` before its send (SCAPE's delay: the offsets could travel under compute). Both are
@@ -36,7 +40,7 @@ from ..comm import Communicator
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.masks import offsets_to_index
 
-__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots"]
+__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum"]
 
 
 @dataclass
@@ -103,18 +107,38 @@ def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.
     return HeldMask(index.view(-1), repeated.view(-1), uses)  # chunk-major, so shard-major
 
 
+def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, momentum: torch.Tensor,
+                            mean: torch.Tensor, sent: HeldMask | None, beta: float, k_per_chunk: int,
+                            hold: int) -> HeldMask:
+    """``mask_source="momentum"``, after a step: the owner's first moment ``momentum`` ((S,) fp32, its
+    shard of coefficients) takes this step's ``mean`` ((numel,), the same on every rank) where it was
+    sent (``sent``'s indices; every coefficient when ``sent`` is None, a dense step), and each owner's
+    top kc of ``|momentum|`` per tile, all-gathered, is the mask of the next step(s)."""
+    S, lo = tiles.shard_numel, comm.rank * tiles.shard_numel
+    mine = mean[lo : lo + S]  # (S,) view
+    if sent is None:
+        momentum.lerp_(mine, 1.0 - beta)
+    else:
+        local = sent.index[(sent.index >= lo) & (sent.index < lo + S)] - lo  # (slots,) this shard's
+        momentum.index_copy_(0, local, torch.lerp(momentum[local], mine[local], 1.0 - beta))
+    chosen = kernels.chunk_topk(momentum, tiles.chunk_size, k_per_chunk)  # (S/C kc,) int16
+    all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+    return HeldMask(offsets_to_index(all_chosen, tiles.chunk_size, k_per_chunk), None, hold)
+
+
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
                  mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
-                 held: HeldMask | None = None) -> tuple[torch.Tensor, HeldMask | None]:
+                 held: HeldMask | None = None, dense: bool = False) -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
     shared mask to keep for the next step (None when the next step chooses afresh).
 
-    ``held``: the shared mask kept by the last step (mask "shared" with ``mask_hold`` > 1 or
-    ``mask_early``). Allocates that (numel,) vector (the one buffer of the model's size a step needs) and
-    the packed values and offsets (O(D k)).
+    ``held``: the shared mask kept by the last step (mask "shared" with ``mask_hold`` > 1,
+    ``mask_early`` or ``mask_source="momentum"``, which must have one unless ``dense``). ``dense``
+    (mask "shared"): every coefficient is sent, as at sparsity 0. Allocates that (numel,) vector (the
+    one buffer of the model's size a step needs) and the packed values and offsets (O(D k)).
     """
     C, D = tiles.chunk_size, comm.world_size
     to_coefficients(tiles, grad, error, q, kernels, decay=ef_decay)  # e = decay * e + Q g
@@ -133,11 +157,14 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             part = slice(r * k, (r + 1) * k)
             mean.index_add_(0, offsets_to_index(all_offsets[part], C, k_per_chunk), all_values[part])
     elif mask == "shared":
-        if k_per_chunk == C:  # sparsity 0: the mask is every coefficient, no nominations travel
+        if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
             values = error.clone()  # (numel,)
         else:
             fresh = held is None or held.uses_left <= 0
+            if fresh and mask_source == "momentum":
+                raise RuntimeError("mask_source 'momentum': a sparse step without the mask chosen after the "
+                                   "last one")
             now = _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold) if fresh else held
             if mask_early and now.uses_left == 1:  # the next mask, from e before this step's send
                 keep = (HeldMask(now.index, now.repeated, mask_hold) if fresh  # chosen from this same e

@@ -52,7 +52,7 @@ from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
-from .dct_step import HeldMask, decode_dct, exchange_dct
+from .dct_step import HeldMask, decode_dct, exchange_dct, next_mask_from_momentum
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -90,6 +90,7 @@ class _GroupState:
     tiles: TileLayout | None = None  # basis "dct": where each weight's tiles lie in the coefficient buffer
     dct_q: torch.Tensor | None = None  # basis "dct": (t, t) fp32 the DCT-II matrix
     held_mask: HeldMask | None = None  # basis "dct", mask "shared": the mask kept for the next step
+    coef_momentum: torch.Tensor | None = None  # basis "dct", mask_source "momentum": (S,) the owner's m
     overlap: OverlapExchange | None = None  # scape.overlap: the bucketed exchange of the sparse params
 
 
@@ -222,8 +223,12 @@ class ScapeAdamS(Optimizer):
                     gs.master = None
                     # dct_update "adams": AdamS on the decoded mean, its momentum on every rank (N_pad,);
                     # "adams_coef": AdamS on the mean coefficients, its momentum in coefficients (tiles t t,)
+                    # "signum": the sign of a momentum of the decoded mean, on every rank (N_pad,)
                     gs.momentum = {"sign": None, "adams": torch.zeros_like(flat, dtype=state_dtype),
+                                   "signum": torch.zeros_like(flat, dtype=state_dtype),
                                    "adams_coef": torch.zeros_like(gs.error)}[self.cfg.dct_update]
+                    if self.cfg.mask == "shared" and self.cfg.mask_source == "momentum":
+                        gs.coef_momentum = torch.zeros(gs.tiles.shard_numel, dtype=state_dtype, device=device)
                 if self.cfg.reselect_interval:
                     gs.decay_mark = torch.zeros(layout.shard_numel, dtype=torch.int32, device=device)  # (S,)
                 if self.cfg.update_rule == "catchup":
@@ -342,16 +347,25 @@ class ScapeAdamS(Optimizer):
         holds the same mean coefficients and moves every parameter by them (``dct_update``); the dense
         tensors take AdamS on their all-reduced mean, as in the coordinate basis."""
         meter, cfg = self.comm.meter, self.cfg
+        by_momentum = cfg.mask == "shared" and cfg.mask_source == "momentum"
+        # mask_source "momentum": its refresh steps, and a step with no mask kept (resumed from another source)
+        dense_step = by_momentum and (self.schedule.is_dense(t) or any(
+            gs.held_mask is None for gs in self._groups if gs.flat_param is not None))
         signals = []  # per group: what the update consumes (the decoded mean, or for adams_coef the
-        for gs in self._groups:  # coefficients), and the dense tensors' mean gradient
+        for group, gs in zip(self.param_groups, self._groups):  # coefficients), the dense tensors' mean
             dense_g = self._reduce_dense(gs)
             signal = None
             if gs.flat_param is not None:
                 self._attach_grads(gs)
+                sent = None if dense_step else gs.held_mask
                 signal, gs.held_mask = exchange_dct(
                     self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q, mask=cfg.mask,
                     k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, mask_source=cfg.mask_source,
-                    mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=gs.held_mask)  # (numel,)
+                    mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=gs.held_mask,
+                    dense=dense_step)  # (numel,)
+                if by_momentum:  # the owner's first moment, and from it the next step's mask
+                    gs.held_mask = next_mask_from_momentum(self.comm, self._kernels, gs.tiles, gs.coef_momentum,
+                                                           signal, sent, group["betas"][0], cfg.k_per_chunk, 1)
                 if cfg.dct_update != "adams_coef":
                     signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
             signals.append((signal, dense_g))
@@ -374,6 +388,10 @@ class ScapeAdamS(Optimizer):
             gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(signal, out=signal), alpha=-lr)
             return
         beta1, beta2 = group["betas"]
+        if self.cfg.dct_update == "signum":  # m = beta1 m + (1 - beta1) u; p = (1 - lr wd) p - lr sign(m)
+            gs.momentum.lerp_(signal, 1.0 - beta1)
+            gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(gs.momentum, out=signal), alpha=-lr)
+            return
         hyper = dict(grad_scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                      bias_correction=1.0 - beta1**t if group["bias_correction"] else 1.0)
         if self.cfg.dct_update == "adams":
@@ -797,6 +815,7 @@ class ScapeAdamS(Optimizer):
                 catchup_second=_clone(gs.catchup_second), drift_sign=_clone(gs.drift_sign),
                 decay_mark=_clone(gs.decay_mark), window_decay=list(gs.window_decay),
                 held_mask=None if gs.held_mask is None else gs.held_mask.state(),
+                coef_momentum=_clone(gs.coef_momentum),
                 numel=gs.layout.numel, padded_numel=gs.layout.padded_numel,
             ))
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -853,6 +872,8 @@ class ScapeAdamS(Optimizer):
             _copy_into(gs.drift_sign, saved.get("drift_sign"))
             _copy_into(gs.decay_mark, saved.get("decay_mark"))
             gs.window_decay = list(saved.get("window_decay", [1.0]))
+            if gs.coef_momentum is not None and saved.get("coef_momentum") is not None:  # else it starts at 0
+                gs.coef_momentum.copy_(saved["coef_momentum"])  # (and the next step, with no mask kept, is dense)
             gs.held_mask = None  # basis "dct", mask "shared": the mask of the next steps, if one was kept
             if saved.get("held_mask") is not None:
                 gs.held_mask = HeldMask.from_state(saved["held_mask"], gs.flat_param.device)

@@ -126,7 +126,7 @@ def _worker_exchange(rank, world_size, tmp_path, steps, mask, update):
 @pytest.mark.parametrize("mask,update,world_size", [("per_rank", "sign", 2), ("shared", "sign", 2),
                                                     ("per_rank", "adams", 4), ("shared", "adams", 4),
                                                     ("shared", "adams_coef", 2), ("shared/owner", "sign", 2),
-                                                    ("shared/owner", "sign", 4)])
+                                                    ("shared/owner", "sign", 4), ("per_rank", "signum", 2)])
 def test_dct_replicas_equal_error_feedback_exact_every_parameter_moves(tmp_path, mask, update, world_size):
     results = run_ranks(_worker_exchange, world_size, tmp_path, 8, mask, update)
     for worst, mismatches, moved, scale in results:
@@ -224,9 +224,74 @@ def test_dct_shared_mask_held_or_chosen_early(tmp_path, hold, early, world_size,
         assert wrong_source == 0, results  # every nomination is a top K of that step's e before its send
 
 
-def _worker_held_resume(rank, world_size, tmp_path):
+def _worker_momentum_mask(rank, world_size, tmp_path, steps, refresh):
+    """mask_source "momentum": dense steps at 1 and every ``refresh``; on the others the slots the owners
+    chose after the step before, from a first moment of the mean coefficients that this test keeps
+    itself (lazy: where they were sent; everywhere on dense steps)."""
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    beta1 = 0.9
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, betas=(beta1, 0.95), weight_decay=0.1, comm=comm,
+                     scape=dict(SCAPE, mask="shared", mask_source="momentum", mask_refresh_interval=refresh))
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    q = dct_matrix(16, torch.float64)
+    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
+    produced = sent = kept = m = chosen = None
+    dense_at, worst, mismatches, wrong_choice = [], 0.0, 0, 0
+    kc = opt.cfg.k_per_chunk
+    for step in range(1, steps + 1):
+        x, y = make_batch(step, rank)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+        opt.step()
+        gs = opt._groups[0]
+        n_chunks = gs.tiles.numel // C
+        if produced is None:
+            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
+            sent, kept, m = torch.zeros_like(produced), torch.zeros_like(produced), torch.zeros_like(produced)
+        to_coefficients(gs.tiles, grads, produced, q, torch_kernels, decay=1.0)
+        log = {tag: (inp, out) for tag, inp, out in comm.log}
+        comm.log.clear()
+        values = log["grad_rs"][0].double()
+        mine = torch.zeros_like(produced)  # what this rank sent this step, by coefficient
+        if values.numel() == gs.tiles.numel:  # a dense step: every coefficient
+            dense_at.append(step)
+            mine += values
+            where = torch.ones_like(produced, dtype=torch.bool)
+        else:
+            mine.index_add_(0, chosen, values)
+            where = torch.zeros_like(produced, dtype=torch.bool).index_fill_(0, chosen, True)
+        sent += mine
+        mean = torch.stack(_gather(mine)).sum(0) / world_size
+        m = torch.where(where, beta1 * m + (1 - beta1) * mean, m)
+        offsets = offsets_of(log["index_ag"][1])  # the next step's mask, every owner's choice, chunk-major
+        chosen = torch.arange(n_chunks).repeat_interleave(kc) * C + offsets
+        for c in range(n_chunks):  # each owner's top kc of |m| in each of its tiles
+            tile = m[c * C : (c + 1) * C].abs()
+            pick = offsets[c * kc : (c + 1) * kc]
+            outside = tile.clone().index_fill_(0, pick, 0.0).max()
+            wrong_choice += int(tile[pick].min() < outside - 1e-6 * float(tile.max()))
+        kept = opt.error_feedback().double().clone()
+        worst = max(worst, float((sent + kept - produced).abs().max()))
+        after = flat_params(model)
+        mismatches += sum(not torch.equal(after, c) for c in _gather(after))
+    return dense_at, worst / float(produced.abs().max()), mismatches, wrong_choice
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dct_shared_mask_from_the_owners_momentum(tmp_path, world_size):
+    results = run_ranks(_worker_momentum_mask, world_size, tmp_path, 9, 4)
+    for dense_at, worst, mismatches, wrong_choice in results:
+        assert dense_at == [1, 5, 9], results  # the first step and each refresh after it ((t - 1) % 4 == 0)
+        assert mismatches == 0, results
+        assert worst <= 1e-6, results  # sent + kept == accumulated
+        assert wrong_choice == 0, results  # each mask is the owners' top kc of the first moment
+
+
+def _worker_held_resume(rank, world_size, tmp_path, extra):
     hp = dict(lr=1e-2, weight_decay=0.1)
-    settings = dict(SCAPE, mask="shared", mask_hold=3, mask_early=True)
+    settings = dict(SCAPE, mask="shared", **extra)
     model = make_mlp(seed=4)
     opt = ScapeAdamS(model.parameters(), **hp, scape=settings)
     _train(model, opt, rank, 4, 0)  # the saved state holds the mask of steps 4..6 (chosen at step 3), 2 uses left
@@ -241,8 +306,11 @@ def _worker_held_resume(rank, world_size, tmp_path):
     return torch.equal(straight, flat_params(again)), saved_opt["scape"]["groups"][0]["held_mask"] is not None
 
 
-def test_dct_held_mask_resume_is_exact(tmp_path):
-    assert run_ranks(_worker_held_resume, 2, tmp_path) == [(True, True)] * 2
+@pytest.mark.parametrize("extra", [dict(mask_hold=3, mask_early=True),
+                                   dict(mask_source="momentum", mask_refresh_interval=3)], ids=["held", "momentum"])
+def test_dct_held_mask_resume_is_exact(tmp_path, extra):
+    # the mask kept for the next steps (and mask_source "momentum"'s first moment) are in the state
+    assert run_ranks(_worker_held_resume, 2, tmp_path, extra) == [(True, True)] * 2
 
 
 @pytest.mark.parametrize("mask,world_size", [("per_rank", 2), ("shared", 2), ("shared", 4)])
@@ -252,6 +320,45 @@ def test_dct_density_one_adams_is_dense_adams(tmp_path, mask, world_size):
     # fp64: the transform's round trip and, on 4 ranks, another summation order (7e-12 after 12 steps);
     # a wrong exchange is off by the size of an update (~1e-2)
     assert max(diffs) <= 1e-10, diffs
+
+
+def _worker_signum_density_one(rank, world_size, tmp_path, steps):
+    """dct_update "signum" at sparsity 0, fp64, no tensor outside the transform: Signum on the mean
+    gradient, written out here (m = 0.9 m + 0.1 g_mean; p = (1 - lr wd) p - lr sign(m))."""
+    model = make_mlp(seed=6, bias=False, norm=False).double()
+    ref = [p.detach().clone() for p in model.parameters()]
+    lr, wd, beta1 = 1e-2, 0.1, 0.9
+    opt = ScapeAdamS(model.parameters(), lr=lr, betas=(beta1, 0.95), weight_decay=wd,
+                     scape=dict(SCAPE, sparsity=0.0, dct_update="signum"))
+    moments = [torch.zeros_like(p) for p in ref]
+    worst = 0.0
+    for step in range(steps):
+        x, y = (t.double() for t in make_batch(step, rank))
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        probe = make_mlp(seed=6, bias=False, norm=False).double()
+        with torch.no_grad():
+            for q, r in zip(probe.parameters(), ref):
+                q.copy_(r)
+        loss_fn(probe, x, y).backward()  # the reference's own gradient at its own parameters
+        for r, m, q in zip(ref, moments, probe.parameters()):
+            mean = q.grad.clone()
+            dist.all_reduce(mean)
+            mean /= world_size
+            m.mul_(beta1).add_(mean, alpha=1 - beta1)
+            r.mul_(1 - lr * wd).add_(torch.sign(m), alpha=-lr)
+        for p, r in zip(model.parameters(), ref):
+            worst = max(worst, float((p.detach() - r).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dct_signum_at_density_one_is_signum(tmp_path, world_size):
+    # every coefficient sent: the decoded mean is the mean gradient up to the transform's fp64 round trip
+    # (1e-16), far from flipping a sign; a wrong momentum or sign moves a coordinate by 2 lr = 2e-2
+    diffs = run_ranks(_worker_signum_density_one, world_size, tmp_path, 10)
+    assert max(diffs) <= 1e-12, diffs
 
 
 def _train(model, opt, rank, steps, start):

@@ -113,6 +113,8 @@ def test_config_dct_fields_and_refusals():
     assert parse_scape_config(dict(basis="dct", mask="shared", mask_source="owner")).mask_source == "owner"
     with pytest.raises(ValueError, match="mask_source 'owner' applies to the shared mask of basis 'dct'"):
         parse_scape_config(dict(basis="dct", mask_source="owner"))  # per_rank has no shared mask
+    assert parse_scape_config(dict(basis="dct", mask="shared", mask_source="momentum")).mask_source == "momentum"
+    assert parse_scape_config(dict(basis="dct", dct_update="signum")).dct_update == "signum"
     held = parse_scape_config(dict(basis="dct", mask="shared", mask_hold=10, mask_early=True))
     assert (held.mask_hold, held.mask_early) == (10, True)
     with pytest.raises(ValueError, match="mask_hold 5 applies to the shared mask"):
