@@ -50,21 +50,20 @@ def _sent_this_step(comm, mask, numel, world_size, k_per_chunk) -> torch.Tensor:
     sent = torch.zeros(numel, dtype=torch.float64)
     log = {tag: (inp, out) for tag, inp, out in comm.log}
     comm.log.clear()
-    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
     if mask == "per_rank":
         values = log["grad_ag"][0]
-        offsets = offsets_of(log["index_ag"][0])
+        offsets = _offsets_of(log["index_ag"][0])
         chunk = torch.arange(offsets.numel()) // k_per_chunk
         sent.index_add_(0, chunk * C + offsets, values.double())
         return sent
     values = log["grad_rs"][0]  # (n_chunks D K,) slot order: chunk, then rank, then nomination
     if mask == "shared/owner":  # (n_chunks kc,) the owners' choices, chunk-major, one per slot
-        offsets = offsets_of(log["index_ag"][1])
+        offsets = _offsets_of(log["index_ag"][1])
         chunk = torch.arange(offsets.numel()) // k_per_chunk
         assert all(len(set(offsets[chunk == c].tolist())) == k_per_chunk for c in range(numel // C))
         sent.index_add_(0, chunk * C + offsets, values.double())
         return sent
-    noms = offsets_of(log["index_ag"][1])  # (D n_chunks K,) rank-major
+    noms = _offsets_of(log["index_ag"][1])  # (D n_chunks K,) rank-major
     K = max(1, k_per_chunk // world_size)
     n_chunks = numel // C
     noms = noms.view(world_size, n_chunks, K)
@@ -151,6 +150,28 @@ def _union_of(noms: torch.Tensor, world_size: int, n_chunks: int, K: int) -> lis
     return slots
 
 
+def _offsets_of(raw: torch.Tensor) -> torch.Tensor:
+    """16-bit offsets as a communicator moved them (bytes) -> int64 in 0..C-1."""
+    return raw.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _logged_step(model, opt, comm, step, rank) -> tuple[torch.Tensor, dict]:
+    """One training step: (numel,) fp64 coefficients Q g of this rank's sparse gradient (the oracle's
+    own transform) and what the communicator logged, by tag."""
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    x, y = make_batch(step, rank)
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+    opt.step()
+    tiles = opt._groups[0].tiles
+    step_q = torch.zeros(tiles.numel, dtype=torch.float64)
+    to_coefficients(tiles, grads, step_q, dct_matrix(16, torch.float64), torch_kernels, decay=1.0)
+    log = {tag: (inp, out) for tag, inp, out in comm.log}
+    comm.log.clear()
+    return step_q, log
+
+
 def _worker_held_mask(rank, world_size, tmp_path, steps, hold, early):
     """mask "shared" with ``mask_hold``/``mask_early``: which steps gather offsets, which slots every
     step sends, from which error feedback they were chosen, and sent + kept == accumulated."""
@@ -158,38 +179,25 @@ def _worker_held_mask(rank, world_size, tmp_path, steps, hold, early):
     comm = RecordingCommunicator()
     opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
                      scape=dict(SCAPE, mask="shared", mask_hold=hold, mask_early=early))
-    sparse = [p for p in model.parameters() if p.dim() == 2]
-    q = dct_matrix(16, torch.float64)
-    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
     produced = sent = kept = slots = upcoming = None
     chose_at, worst, mismatches, wrong_source = [], 0.0, 0, 0
     for step in range(1, steps + 1):
-        x, y = make_batch(step, rank)
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
-        opt.step()
-        gs = opt._groups[0]
-        n_chunks = gs.tiles.numel // C
+        step_q, log = _logged_step(model, opt, comm, step, rank)
+        n_chunks = step_q.numel() // C
         if produced is None:
-            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
-            sent, kept = torch.zeros_like(produced), torch.zeros_like(produced)
-        step_q = torch.zeros_like(produced)
-        to_coefficients(gs.tiles, grads, step_q, q, torch_kernels, decay=1.0)  # fp64 Q g of this step
+            produced, sent, kept = (torch.zeros_like(step_q) for _ in range(3))
         before_send = kept + step_q  # this rank's e before the send (ef_decay 1)
         produced += step_q
-        log = {tag: (inp, out) for tag, inp, out in comm.log}
-        comm.log.clear()
         K = max(1, opt.cfg.k_per_chunk // world_size)
         if "index_ag" in log:
             chose_at.append(step)
-            mine = offsets_of(log["index_ag"][0]).view(n_chunks, K)
+            mine = _offsets_of(log["index_ag"][0]).view(n_chunks, K)
             for c in range(n_chunks):  # chosen from this step's e before its send: the top K of each chunk
                 tile = before_send[c * C : (c + 1) * C].abs()
                 inside = tile[mine[c]].min()
                 outside = tile.clone().index_fill_(0, mine[c], 0.0).max()
                 wrong_source += int(inside < outside - 1e-6 * float(tile.max()))
-            fresh = _union_of(offsets_of(log["index_ag"][1]), world_size, n_chunks, K)
+            fresh = _union_of(_offsets_of(log["index_ag"][1]), world_size, n_chunks, K)
             if early and step > 1:
                 upcoming = fresh  # serves from the next step on
             else:
@@ -233,29 +241,18 @@ def _worker_momentum_mask(rank, world_size, tmp_path, steps, refresh):
     beta1 = 0.9
     opt = ScapeAdamS(model.parameters(), lr=1e-2, betas=(beta1, 0.95), weight_decay=0.1, comm=comm,
                      scape=dict(SCAPE, mask="shared", mask_source="momentum", mask_refresh_interval=refresh))
-    sparse = [p for p in model.parameters() if p.dim() == 2]
-    q = dct_matrix(16, torch.float64)
-    offsets_of = lambda raw: raw.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
-    produced = sent = kept = m = chosen = None
+    produced = sent = m = chosen = None
     dense_at, worst, mismatches, wrong_choice = [], 0.0, 0, 0
     kc = opt.cfg.k_per_chunk
     for step in range(1, steps + 1):
-        x, y = make_batch(step, rank)
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
-        opt.step()
-        gs = opt._groups[0]
-        n_chunks = gs.tiles.numel // C
+        step_q, log = _logged_step(model, opt, comm, step, rank)
+        n_chunks = step_q.numel() // C
         if produced is None:
-            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
-            sent, kept, m = torch.zeros_like(produced), torch.zeros_like(produced), torch.zeros_like(produced)
-        to_coefficients(gs.tiles, grads, produced, q, torch_kernels, decay=1.0)
-        log = {tag: (inp, out) for tag, inp, out in comm.log}
-        comm.log.clear()
+            produced, sent, m = (torch.zeros_like(step_q) for _ in range(3))
+        produced += step_q
         values = log["grad_rs"][0].double()
         mine = torch.zeros_like(produced)  # what this rank sent this step, by coefficient
-        if values.numel() == gs.tiles.numel:  # a dense step: every coefficient
+        if values.numel() == produced.numel():  # a dense step: every coefficient
             dense_at.append(step)
             mine += values
             where = torch.ones_like(produced, dtype=torch.bool)
@@ -265,7 +262,7 @@ def _worker_momentum_mask(rank, world_size, tmp_path, steps, refresh):
         sent += mine
         mean = torch.stack(_gather(mine)).sum(0) / world_size
         m = torch.where(where, beta1 * m + (1 - beta1) * mean, m)
-        offsets = offsets_of(log["index_ag"][1])  # the next step's mask, every owner's choice, chunk-major
+        offsets = _offsets_of(log["index_ag"][1])  # the next step's mask, every owner's choice, chunk-major
         chosen = torch.arange(n_chunks).repeat_interleave(kc) * C + offsets
         for c in range(n_chunks):  # each owner's top kc of |m| in each of its tiles
             tile = m[c * C : (c + 1) * C].abs()
