@@ -189,16 +189,18 @@ class ScapeConfig(BaseModel):
     from that step's error feedback before its send (SCAPE's one-step-early mask, which would let the
     offsets travel under compute); false (default): from the error feedback of the step that uses it."""
 
-    dct_update: Literal["sign", "signum", "adams", "adams_coef"] = "sign"
-    """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves
-    the parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
-    optimizer state); ``signum``: ``p -= lr * sign(m)``, m = beta1 m + (1 - beta1) u a momentum of
-    the decoded mean kept on every rank (4 bytes per parameter; at sparsity 0 this is Signum on the
-    mean gradient); ``adams``: one AdamS step on u with a momentum kept on every rank (4 bytes per
-    parameter more than ``sign``; at sparsity 0 this is dense AdamS); ``adams_coef``: AdamS on the
-    mean coefficients themselves (its momentum in coefficients, on every rank), its step decoded, weight
-    decay in real space (at sparsity 0: dense AdamS on the DCT-rotated parameters). At 0.99 ``adams``
-    reached 1.73x dense AdamW and ``adams_coef`` 1.84x (bench/RESULTS.md), against 0.996x for ``sign``."""
+    dct_update: Literal["sign", "rms", "signum", "adams", "adams_coef"] = "sign"
+    """``basis="dct"``: how the decoded mean u (a dense real-space tensor every rank holds alike) moves the
+    parameters: ``sign``: ``p -= lr * sign(u)`` after decoupled weight decay (DeMo's update; no
+    optimizer state); ``rms``: ``p -= lr * u / rms(u)``, the RMS taken over each parameter tensor's part
+    of u (a normalisation that keeps the relative sizes sign drops; no state); ``signum``: ``p -= lr *
+    sign(m)``, m = beta1 m + (1 - beta1) u a momentum of the decoded mean kept on every rank (4 bytes
+    per parameter; at sparsity 0 this is Signum on the mean gradient); ``adams``: one AdamS step on u
+    with a momentum kept on every rank (4 bytes per parameter more than ``sign``; at sparsity 0 this is
+    dense AdamS); ``adams_coef``: AdamS on the mean coefficients themselves (its momentum in
+    coefficients, on every rank), its step decoded, weight decay in real space (at sparsity 0: dense
+    AdamS on the DCT-rotated parameters). At 0.99 ``adams`` reached 1.73x dense AdamW and ``adams_coef``
+    1.84x (bench/RESULTS.md), against 0.996x for ``sign``."""
 
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).

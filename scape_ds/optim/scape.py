@@ -225,7 +225,7 @@ class ScapeAdamS(Optimizer):
                     # "adams_coef": AdamS on the mean coefficients, its momentum in coefficients (tiles t t,)
                     # "signum": the sign of a momentum of the decoded mean, on every rank (N_pad,)
                     gs.momentum = {"sign": None, "adams": torch.zeros_like(flat, dtype=state_dtype),
-                                   "signum": torch.zeros_like(flat, dtype=state_dtype),
+                                   "signum": torch.zeros_like(flat, dtype=state_dtype), "rms": None,
                                    "adams_coef": torch.zeros_like(gs.error)}[self.cfg.dct_update]
                     if self.cfg.mask == "shared" and self.cfg.mask_source == "momentum":
                         gs.coef_momentum = torch.zeros(gs.tiles.shard_numel, dtype=state_dtype, device=device)
@@ -386,6 +386,13 @@ class ScapeAdamS(Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         if self.cfg.dct_update == "sign":  # p = (1 - lr wd) p - lr sign(u); u (a consumed buffer) becomes sign(u)
             gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(signal, out=signal), alpha=-lr)
+            return
+        if self.cfg.dct_update == "rms":  # p = (1 - lr wd) p - lr u / rms(u), the RMS of each tensor's part of u
+            for off, n in zip(gs.layout.offsets, gs.layout.numels):
+                part = signal[off : off + n]  # view
+                rms = float(_square_norm_fp64(part)) ** 0.5 / n**0.5
+                part.mul_(1.0 / rms if rms > 0 else 0.0)
+            gs.flat_param.mul_(1.0 - lr * wd).add_(signal, alpha=-lr)
             return
         beta1, beta2 = group["betas"]
         if self.cfg.dct_update == "signum":  # m = beta1 m + (1 - beta1) u; p = (1 - lr wd) p - lr sign(m)

@@ -125,7 +125,8 @@ def _worker_exchange(rank, world_size, tmp_path, steps, mask, update):
 @pytest.mark.parametrize("mask,update,world_size", [("per_rank", "sign", 2), ("shared", "sign", 2),
                                                     ("per_rank", "adams", 4), ("shared", "adams", 4),
                                                     ("shared", "adams_coef", 2), ("shared/owner", "sign", 2),
-                                                    ("shared/owner", "sign", 4), ("per_rank", "signum", 2)])
+                                                    ("shared/owner", "sign", 4), ("per_rank", "signum", 2),
+                                                    ("shared", "rms", 2)])
 def test_dct_replicas_equal_error_feedback_exact_every_parameter_moves(tmp_path, mask, update, world_size):
     results = run_ranks(_worker_exchange, world_size, tmp_path, 8, mask, update)
     for worst, mismatches, moved, scale in results:
@@ -319,14 +320,15 @@ def test_dct_density_one_adams_is_dense_adams(tmp_path, mask, world_size):
     assert max(diffs) <= 1e-10, diffs
 
 
-def _worker_signum_density_one(rank, world_size, tmp_path, steps):
-    """dct_update "signum" at sparsity 0, fp64, no tensor outside the transform: Signum on the mean
-    gradient, written out here (m = 0.9 m + 0.1 g_mean; p = (1 - lr wd) p - lr sign(m))."""
+def _worker_real_space_density_one(rank, world_size, tmp_path, steps, update):
+    """dct_update "signum" or "rms" at sparsity 0, fp64, no tensor outside the transform: the rule on
+    the mean gradient, written out here: signum m = 0.9 m + 0.1 g_mean, p = (1 - lr wd) p - lr sign(m);
+    rms p = (1 - lr wd) p - lr g_mean / rms(g_mean), the RMS over each tensor."""
     model = make_mlp(seed=6, bias=False, norm=False).double()
     ref = [p.detach().clone() for p in model.parameters()]
     lr, wd, beta1 = 1e-2, 0.1, 0.9
     opt = ScapeAdamS(model.parameters(), lr=lr, betas=(beta1, 0.95), weight_decay=wd,
-                     scape=dict(SCAPE, sparsity=0.0, dct_update="signum"))
+                     scape=dict(SCAPE, sparsity=0.0, dct_update=update))
     moments = [torch.zeros_like(p) for p in ref]
     worst = 0.0
     for step in range(steps):
@@ -343,18 +345,21 @@ def _worker_signum_density_one(rank, world_size, tmp_path, steps):
             mean = q.grad.clone()
             dist.all_reduce(mean)
             mean /= world_size
-            m.mul_(beta1).add_(mean, alpha=1 - beta1)
-            r.mul_(1 - lr * wd).add_(torch.sign(m), alpha=-lr)
+            if update == "signum":
+                m.mul_(beta1).add_(mean, alpha=1 - beta1)
+                r.mul_(1 - lr * wd).add_(torch.sign(m), alpha=-lr)
+            else:
+                r.mul_(1 - lr * wd).add_(mean / mean.square().mean().sqrt(), alpha=-lr)
         for p, r in zip(model.parameters(), ref):
             worst = max(worst, float((p.detach() - r).abs().max()))
     return worst
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dct_signum_at_density_one_is_signum(tmp_path, world_size):
+@pytest.mark.parametrize("update,world_size", [("signum", 2), ("signum", 4), ("rms", 2)])
+def test_dct_real_space_updates_at_density_one(tmp_path, update, world_size):
     # every coefficient sent: the decoded mean is the mean gradient up to the transform's fp64 round trip
-    # (1e-16), far from flipping a sign; a wrong momentum or sign moves a coordinate by 2 lr = 2e-2
-    diffs = run_ranks(_worker_signum_density_one, world_size, tmp_path, 10)
+    # (1e-16), far from flipping a sign; a wrong momentum, sign or norm moves a coordinate by ~lr = 1e-2
+    diffs = run_ranks(_worker_real_space_density_one, world_size, tmp_path, 10, update)
     assert max(diffs) <= 1e-12, diffs
 
 
