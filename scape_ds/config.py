@@ -239,6 +239,11 @@ class ScapeConfig(BaseModel):
     boundaries; under ZeRO-3 (``sparse_replica``) runs of whole parameters in ds_id order, a larger
     parameter a bucket of its own. > 0."""
 
+    buckets_in_flight: int = 8
+    """``overlap``: the most gradient buckets whose reduce may be on the wire at once; starting one more
+    first waits for the oldest (inside backward). Bounds what the backend queues (and, with bf16
+    parameters and fp32 error feedback, the per-bucket copies of the wire values). 0: no bound."""
+
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
 
@@ -287,7 +292,7 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"must be a power of two in [8, 65536], got {v}")
         return v
 
-    @field_validator("dense_numel_threshold", "reselect_interval")
+    @field_validator("dense_numel_threshold", "reselect_interval", "buckets_in_flight")
     @classmethod
     def _check_threshold(cls, v: int) -> int:
         if v < 0:

@@ -115,6 +115,8 @@ class OverlapExchange:
         self._arrived: list[bool] = []  # per parameter: its gradient has arrived in this exchange
         self._cursor = 0  # the next bucket to start
         self._grad_works: list = []  # per started bucket: the reduce in flight
+        self._waited = 0  # the reduces of _grad_works[:_waited] are done (waited for to bound those in flight)
+        self.most_in_flight = 0  # statistics: the most reduces started and not yet waited for, this exchange
         self._sends: list[tuple[torch.Tensor, bool]] = []  # dense step: what each bucket sent, and whether
         # that was its slice of the error feedback (emptied once the reduce is done)
         self._packed: torch.Tensor | None = None  # (K,) sparse step: packed values, reduced in place
@@ -170,7 +172,7 @@ class OverlapExchange:
         self.dense = dense
         self._missing = [len(b.params) for b in self.buckets]
         self._arrived = [False] * len(self.gs.sparse_params)
-        self._cursor, self._grad_works, self._sends = 0, [], []
+        self._cursor, self._grad_works, self._sends, self._waited, self.most_in_flight = 0, [], [], 0, 0
         if not self.dense:
             gs.pending.wait()  # the mask chosen at the last refresh
             if self._index_for is not gs.active_index:
@@ -200,8 +202,13 @@ class OverlapExchange:
         self._missing = [0] * len(self.buckets)
 
     def _start(self, b: int) -> None:
-        """Pack bucket ``b`` and start its reduce to the owner."""
+        """Pack bucket ``b`` and start its reduce to the owner (first waiting for the oldest reduce when
+        ``buckets_in_flight`` are on the wire)."""
         bucket, gs, comm = self.buckets[b], self.gs, self.opt.comm
+        limit = self.opt.cfg.buckets_in_flight
+        if limit and len(self._grad_works) - self._waited >= limit:
+            self._grad_works[self._waited].wait()
+            self._waited += 1
         grad = gs.grad_slice[bucket.lo : bucket.hi]  # view
         error = None if gs.error is None else gs.error[bucket.lo : bucket.hi]  # view
         from_error = False  # the send is this bucket's slice of the error feedback, emptied after the step
@@ -221,6 +228,7 @@ class OverlapExchange:
             error.sub_(send)
         self._sends.append((send, from_error))
         self._grad_works.append(comm.reduce_async(send, bucket.owner, "grad_rs"))
+        self.most_in_flight = max(self.most_in_flight, len(self._grad_works) - self._waited)
 
     def wait_grads(self) -> torch.Tensor:
         """Wait for every reduce (all started: :meth:`complete`, then the optimizer's
@@ -228,7 +236,7 @@ class OverlapExchange:
         sparse step, or (S,) the sum of the whole shard on a dense step (in the gradient buffer)."""
         opt, gs = self.opt, self.gs
         assert self._cursor == len(self.buckets), "a bucket was not started"
-        for work in self._grad_works:
+        for work in self._grad_works[self._waited :]:
             work.wait()
         r, D = opt.comm.rank, opt.comm.world_size
         if not self.dense:
@@ -251,7 +259,7 @@ class OverlapExchange:
 
     def end_grads(self) -> None:
         """The step has consumed the reduced gradients: the next backward begins a new exchange."""
-        self.dense, self._grad_works, self._sends, self._packed = None, [], [], None
+        self.dense, self._grad_works, self._sends, self._packed, self._waited = None, [], [], None, 0
 
     # ------------------------------------------------------------------ parameters
     def new_values(self) -> torch.Tensor:

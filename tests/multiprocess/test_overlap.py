@@ -120,6 +120,31 @@ def test_overlap_equals_the_non_overlapped_path(tmp_path, world_size, scape, acc
             assert worst < 1e-5 and ef < 1e-5, results
 
 
+def _worker_in_flight(rank, world_size, tmp_path, steps, limit):
+    ref_model, ref = _build(5, SCAPE, False, False)
+    model, opt = _build(5, dict(SCAPE, buckets_in_flight=limit), True, True)
+    most, worst = [], 0.0
+    ref_steps = _train(ref_model, ref, rank, steps)
+    for _ in _train(model, opt, rank, steps):
+        next(ref_steps)
+        most.append(opt._groups[0].overlap.most_in_flight)
+        opt.synchronize()
+        worst = max(worst, float((flat_params(model) - flat_params(ref_model)).abs().max()))
+    return most, worst, len(opt._groups[0].overlap.buckets)
+
+
+@pytest.mark.parametrize("limit", [2, 0])
+def test_buckets_in_flight_are_bounded(tmp_path, limit):
+    # 20+ buckets, all started in backward; with a bound of 2 the third waits for the first, and the
+    # parameters are still the non-overlapped path's bit for bit (2 ranks); 0: no bound
+    for most, worst, n_buckets in run_ranks(_worker_in_flight, 2, tmp_path, 6, limit):
+        assert worst == 0.0, (most, worst)
+        if limit:
+            assert max(most) == limit, most
+        else:
+            assert max(most) > 2, most  # without a bound more than two are on the wire (gloo, loopback)
+
+
 def _worker_resume(rank, world_size, tmp_path, steps, cut):
     model, opt = _build(7, SCAPE, True, True)
     for _ in _train(model, opt, rank, steps):

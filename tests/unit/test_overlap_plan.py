@@ -59,6 +59,7 @@ def test_simulated_communicator_reduce_and_broadcast():
     (dict(update_rule="catchup"), "update_rule 'catchup' (needs 'lazy')"),
     (dict(clip_local=1.0), "clip_local 1.0 (needs 0.0)"),
     (dict(bucket_mb=-1.0), "scape.bucket_mb: must be > 0"),
+    (dict(buckets_in_flight=-1), "scape.buckets_in_flight: must be >= 0"),
 ])
 def test_overlap_refuses_what_it_is_not_built_for(edit, message):
     with pytest.raises(ValueError) as err:
@@ -68,4 +69,4 @@ def test_overlap_refuses_what_it_is_not_built_for(edit, message):
 
 def test_overlap_off_by_default_with_ddp_sized_buckets():
     cfg = parse_scape_config({})
-    assert cfg.overlap is False and cfg.bucket_mb == 25.0
+    assert cfg.overlap is False and cfg.bucket_mb == 25.0 and cfg.buckets_in_flight == 8
