@@ -153,7 +153,7 @@ class ScapeConfig(BaseModel):
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     1.5e-3, half AdamW's) 1.015x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
     than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node",
-    elastic resume and tensor/pipeline parallelism run only there; the recommended setting at ZeRO stage
+    elastic resume and ``overlap`` run only there; the recommended setting at ZeRO stage
     0/1 is ds_configs/scape_dct.json."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"

@@ -211,9 +211,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         grid = mpu if mpu is not None else (model.mpu() if pipeline_module else None)
         pipelined = pipeline_module or (
             grid is not None and getattr(grid, "get_pipeline_model_parallel_world_size", lambda: 1)() > 1)
-        if scape_cfg.basis == "dct" and (pipelined or (grid is not None and grid.get_model_parallel_world_size() > 1)):
-            raise ValueError("scape.basis 'dct' is not verified under tensor or pipeline parallelism yet (no test "
-                             "runs it there): use basis 'coordinate' with model parallelism")
         if scape_cfg.overlap and pipelined and not pipeline_module:
             raise ValueError("scape.overlap with pipeline stages is built for DeepSpeed's PipelineModule (its schedule "
                              "says which backward ends the batch and which gradients are summed across stages "

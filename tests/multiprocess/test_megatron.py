@@ -47,7 +47,8 @@ def _gathered_equal(t: torch.Tensor, group) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0, overlap=False):
+def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0, overlap=False,
+                  scape_extra=None):
     """Train the Megatron GPT (flat for pp == 1 unless forced, PipelineModule otherwise); return per-step losses
     and how many steps broke replica equality (DP replicas, TP-replicated parameters)."""
     _set_env(rank)
@@ -61,6 +62,7 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
     tp_group = mpu.get_tensor_model_parallel_group()
     config = _ds_config(sparsity, gas)
     config["scape"].update(overlap=overlap, bucket_mb=4 * 256 * 4 / 2**20)  # scape.overlap: many buckets
+    config["scape"].update(scape_extra or {})
     if pp > 0:  # flat model
         torch.manual_seed(0)
         model = MegatronGPT(cfg)
@@ -99,6 +101,11 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
         if replicated:
             tp_breaks += not _gathered_equal(torch.cat(replicated), tp_group)
     engine.optimizer.synchronize()
+    if pp < 0 and -pp > 1:  # the tied embedding: its copies on the first and last stage stay equal
+        for comm in engine.module.tied_comms.values():
+            for name in comm["weight_attr"]:
+                w = engine.module._recursive_getattr(comm["module"], name).detach().reshape(-1)
+                tp_breaks += not _gathered_equal(w, comm["group"])
     if overlap:
         return losses, dp_breaks, tp_breaks, in_backward
     return losses, dp_breaks, tp_breaks
@@ -134,6 +141,35 @@ def test_sparse_099_trains_with_equal_replicas(tmp_path, tp, pp, dropout):
     assert last < first - 0.3, losses  # ln(64) = 4.16 at the start
     assert all(dp == 0 for _, dp, _ in results), [r[1:] for r in results]
     assert all(tpb == 0 for _, _, tpb in results), [r[1:] for r in results]
+
+
+DCT = dict(basis="dct", chunk_size=256, clip_local=0.0)  # 16 x 16 tiles over each rank's own weight shards
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2", "pp2"])
+def test_dct_under_model_parallelism_reproduces_one_rank_per_replica(tmp_path, tp, pp):
+    # basis "dct" at sparsity 0 with dct_update "adams" is dense AdamS whatever the tiles, so TP 2 x DP 2
+    # (tiles over each TP shard) and PP 2 x DP 2 (tiles per stage) train as TP 1 / PP 1 x DP 2 does
+    dct = dict(DCT, dct_update="adams")
+    gas = 1 if pp > 0 else 2
+    ref = run_ranks(_worker_train, 2, tmp_path / "ref", 1, pp // abs(pp), 0.0, 10, gas, 0.0, False, dct)
+    split = run_ranks(_worker_train, 4, tmp_path / "split", tp, pp, 0.0, 10, gas, 0.0, False, dct)
+    ref_losses, losses = ref[0][0], split[0][0]
+    assert ref_losses[-1] < ref_losses[0]
+    assert max(abs(a - b) for a, b in zip(ref_losses, losses)) < 1e-4, (ref_losses, losses)
+    assert all(r[1] == 0 and r[2] == 0 for r in split), split
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2xdp2", "pp2xdp2"])
+def test_dct_099_under_model_parallelism_trains_with_equal_replicas(tmp_path, tp, pp):
+    # ds_configs/scape_dct.json's exchange (per-rank masks, sign, clip_local 1) on 4 ranks: the local
+    # clip sums the norm over the model-parallel group; DP replicas, TP-replicated parameters and the
+    # tied embedding's two stage copies stay bitwise equal
+    dct = dict(DCT, dct_update="sign", clip_local=1.0, ef_decay=0.999)
+    results = run_ranks(_worker_train, 4, tmp_path, tp, pp, 0.99, 30, 1, 0.0, False, dct)
+    losses = results[0][0]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    assert all(dp == 0 and tpb == 0 for _, dp, tpb in results), [r[1:] for r in results]
 
 
 def test_overlap_under_tp2_equals_the_non_overlapped_run(tmp_path):

@@ -13,24 +13,9 @@ import scape_ds
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _TensorParallelGrid:
-    """What DeepSpeed's mpu offers, for a run with 2-way tensor parallelism."""
-
-    def get_model_parallel_world_size(self) -> int:
-        return 2
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
-
-
 def _dct_config() -> dict:
     with open(os.path.join(REPO, "ds_configs", "scape_dct.json"), encoding="utf-8") as f:
         return json.load(f)
-
-
-def test_dct_under_tensor_parallelism_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="scape.basis 'dct' is not verified under tensor or pipeline parallelism"):
-        scape_ds.initialize(model=torch.nn.Linear(4, 4), config=_dct_config(), mpu=_TensorParallelGrid())
 
 
 def test_dct_under_zero3_is_refused_in_one_line():
