@@ -99,6 +99,10 @@ def test_stage1_fixture_loads_with_the_saved_state(tmp_path):
         added = {k: v for k, v in config.items() if k not in saved_config}
         assert added == {k: ScapeConfig.model_fields[k].default for k in added}, added
         _assert_same({k: config[k] for k in saved_config}, saved_config, f"rank {rank} config")
+        # per param group: entries added since (basis "dct" state) are empty for this coordinate-basis run
+        for group, saved_group in zip(opt_state["scape"]["groups"], saved["scape"]["groups"]):
+            added = {k: group.pop(k) for k in list(group) if k not in saved_group}
+            assert set(added) <= {"held_mask", "coef_momentum"} and all(v is None for v in added.values()), added
         _assert_same(opt_state, saved, f"rank {rank} optimizer state")
 
 
