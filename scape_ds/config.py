@@ -151,10 +151,10 @@ class ScapeConfig(BaseModel):
     with ds_configs/scape_dct.json (per_rank, sign, clip_local 1, ef_decay 0.999) 0.996x dense AdamW's
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
-    1.5e-3, half AdamW's) 1.015x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
+    2.1e-3, 0.7x AdamW's) 0.997x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
     than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node",
-    elastic resume and ``overlap`` run only there; the recommended setting at ZeRO stage
-    0/1 is ds_configs/scape_dct.json."""
+    elastic resume and ``overlap`` run only there; the recommended setting at ZeRO stage 0/1 is
+    ds_configs/scape_dct.json."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"
     """``basis="dct"``: ``per_rank``: every rank sends its own top-kc coefficients of each tile with
