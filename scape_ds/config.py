@@ -176,7 +176,8 @@ class ScapeConfig(BaseModel):
     source in coefficients: the owner keeps a first moment (beta1) of the reduced mean coefficients
     of its tiles, updated where they were sent and, on the dense steps every
     ``mask_refresh_interval`` (and the first), everywhere; after each step it chooses the next step's
-    mask from it (one step early), 4 bytes per coefficient of its shard more. Measured in
+    mask from it (one step early; ``mask_hold`` and ``mask_early`` do not apply), 4 bytes per
+    coefficient of its shard more. Measured in
     bench/RESULTS.md ("Shared-mask sources")."""
 
     mask_hold: int = 1
@@ -344,6 +345,9 @@ class ScapeConfig(BaseModel):
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
         if self.mask_hold < 1:
             raise ValueError(f"mask_hold must be >= 1 (steps one shared mask serves), got {self.mask_hold}")
+        if self.mask_source == "momentum" and (self.mask_hold != 1 or self.mask_early):
+            raise ValueError("mask_source 'momentum' chooses each step's mask one step early by itself: "
+                             f"mask_hold must be 1 and mask_early false, got {self.mask_hold}, {self.mask_early}")
         for name, value, default in (("mask_source", self.mask_source, "union"), ("mask_hold", self.mask_hold, 1),
                                      ("mask_early", self.mask_early, False)):
             if value != default and (self.basis, self.mask) != ("dct", "shared"):

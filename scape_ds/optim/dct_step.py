@@ -92,15 +92,22 @@ def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor
     return out.view(torch.int16)
 
 
+def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
+                   uses: int) -> HeldMask:
+    """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
+    all-gathered: one shared mask, kc slots per tile."""
+    chosen = kernels.chunk_topk(scores, chunk_size, k_per_chunk)  # (S/C kc,) int16
+    all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+    return HeldMask(offsets_to_index(all_chosen, chunk_size, k_per_chunk), None, uses)  # (n_chunks kc,) int64
+
+
 def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, k_per_chunk: int,
                    mask_source: str, uses: int) -> HeldMask:
     """The one shared mask from this rank's ``error`` as it is now (its offsets all-gathered)."""
     C, D, n_chunks = tiles.chunk_size, comm.world_size, tiles.n_chunks
     if mask_source == "owner":  # each tile's owner chooses from its own accumulator
         own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
-        chosen = kernels.chunk_topk(own, C, k_per_chunk)  # (S/C kc,) int16
-        all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
-        return HeldMask(offsets_to_index(all_chosen, C, k_per_chunk), None, uses)  # (n_chunks kc,) int64
+        return _owners_choice(comm, kernels, C, own, k_per_chunk, uses)
     K = max(1, k_per_chunk // D)
     nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
     all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
@@ -109,12 +116,11 @@ def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.
 
 
 def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, momentum: torch.Tensor,
-                            mean: torch.Tensor, sent: HeldMask | None, beta: float, k_per_chunk: int,
-                            hold: int) -> HeldMask:
+                            mean: torch.Tensor, sent: HeldMask | None, beta: float, k_per_chunk: int) -> HeldMask:
     """``mask_source="momentum"``, after a step: the owner's first moment ``momentum`` ((S,) fp32, its
     shard of coefficients) takes this step's ``mean`` ((numel,), the same on every rank) where it was
     sent (``sent``'s indices; every coefficient when ``sent`` is None, a dense step), and each owner's
-    top kc of ``|momentum|`` per tile, all-gathered, is the mask of the next step(s)."""
+    top kc of ``|momentum|`` per tile, all-gathered, is the mask of the next step."""
     S, lo = tiles.shard_numel, comm.rank * tiles.shard_numel
     mine = mean[lo : lo + S]  # (S,) view
     if sent is None:
@@ -122,9 +128,7 @@ def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, mome
     else:
         local = sent.index[(sent.index >= lo) & (sent.index < lo + S)] - lo  # (slots,) this shard's
         momentum.index_copy_(0, local, torch.lerp(momentum[local], mine[local], 1.0 - beta))
-    chosen = kernels.chunk_topk(momentum, tiles.chunk_size, k_per_chunk)  # (S/C kc,) int16
-    all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
-    return HeldMask(offsets_to_index(all_chosen, tiles.chunk_size, k_per_chunk), None, hold)
+    return _owners_choice(comm, kernels, tiles.chunk_size, momentum, k_per_chunk, 1)
 
 
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,

@@ -365,7 +365,7 @@ class ScapeAdamS(Optimizer):
                     dense=dense_step)  # (numel,)
                 if by_momentum:  # the owner's first moment, and from it the next step's mask
                     gs.held_mask = next_mask_from_momentum(self.comm, self._kernels, gs.tiles, gs.coef_momentum,
-                                                           signal, sent, group["betas"][0], cfg.k_per_chunk, 1)
+                                                           signal, sent, group["betas"][0], cfg.k_per_chunk)
                 if cfg.dct_update != "adams_coef":
                     signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
             signals.append((signal, dense_g))
@@ -388,9 +388,10 @@ class ScapeAdamS(Optimizer):
             gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(signal, out=signal), alpha=-lr)
             return
         if self.cfg.dct_update == "rms":  # p = (1 - lr wd) p - lr u / rms(u), the RMS of each tensor's part of u
-            for off, n in zip(gs.layout.offsets, gs.layout.numels):
-                part = signal[off : off + n]  # view
-                rms = float(_square_norm_fp64(part)) ** 0.5 / n**0.5
+            parts = [signal[off : off + n] for off, n in zip(gs.layout.offsets, gs.layout.numels)]  # views
+            squares = torch.stack([_square_norm_fp64(part) for part in parts]).tolist()  # one host sync
+            for part, square in zip(parts, squares):
+                rms = square**0.5 / part.numel() ** 0.5
                 part.mul_(1.0 / rms if rms > 0 else 0.0)
             gs.flat_param.mul_(1.0 - lr * wd).add_(signal, alpha=-lr)
             return

@@ -320,6 +320,15 @@ def test_dct_density_one_adams_is_dense_adams(tmp_path, mask, world_size):
     assert max(diffs) <= 1e-10, diffs
 
 
+def _step_fp64(model, opt, step, rank) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fp64 training step of ``model`` by ``opt`` on this rank's batch; returns the batch."""
+    x, y = (t.double() for t in make_batch(step, rank))
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    opt.step()
+    return x, y
+
+
 def _worker_real_space_density_one(rank, world_size, tmp_path, steps, update):
     """dct_update "signum" or "rms" at sparsity 0, fp64, no tensor outside the transform: the rule on
     the mean gradient, written out here: signum m = 0.9 m + 0.1 g_mean, p = (1 - lr wd) p - lr sign(m);
@@ -332,10 +341,7 @@ def _worker_real_space_density_one(rank, world_size, tmp_path, steps, update):
     moments = [torch.zeros_like(p) for p in ref]
     worst = 0.0
     for step in range(steps):
-        x, y = (t.double() for t in make_batch(step, rank))
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
+        x, y = _step_fp64(model, opt, step, rank)
         probe = make_mlp(seed=6, bias=False, norm=False).double()
         with torch.no_grad():
             for q, r in zip(probe.parameters(), ref):
@@ -485,10 +491,7 @@ def _worker_adams_coef(rank, world_size, tmp_path, steps):
     ref_opt = AdamS(theta + [p for p in ref.parameters() if p.dim() < 2], **hp)
     worst = 0.0
     for step in range(steps):
-        x, y = (t.double() for t in make_batch(step, rank))
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
+        x, y = _step_fp64(model, opt, step, rank)
         ref.zero_grad()  # its matrices are not in ref_opt (theta is)
         loss_fn(ref, x, y).backward()
         for p in ref.parameters():

@@ -114,6 +114,8 @@ def test_config_dct_fields_and_refusals():
     with pytest.raises(ValueError, match="mask_source 'owner' applies to the shared mask of basis 'dct'"):
         parse_scape_config(dict(basis="dct", mask_source="owner"))  # per_rank has no shared mask
     assert parse_scape_config(dict(basis="dct", mask="shared", mask_source="momentum")).mask_source == "momentum"
+    with pytest.raises(ValueError, match="mask_source 'momentum' chooses each step's mask one step early"):
+        parse_scape_config(dict(basis="dct", mask="shared", mask_source="momentum", mask_early=True))
     assert parse_scape_config(dict(basis="dct", dct_update="signum")).dct_update == "signum"
     held = parse_scape_config(dict(basis="dct", mask="shared", mask_hold=10, mask_early=True))
     assert (held.mask_hold, held.mask_early) == (10, True)
