@@ -5,6 +5,7 @@
     sudo python bench/step_time.py --zero3 --micro-batch 1 --seq-len 32   # + ZeRO-3 rows, less compute
     sudo python bench/step_time.py --dct --nodes 4 --rates 1gbit --out runs/step_time_dct.json  # basis "dct"
     sudo python bench/step_time.py --overlap --nodes 4 --rates 1gbit --block 3 --steps 12  # scape.overlap
+    sudo python bench/step_time.py --overlap --dct --nodes 4 --rates 1gbit --block 3 --steps 12  # ... basis "dct"
 
 For every (nodes, rate) it builds an emulated cluster (one rank per node, gloo bound to the
 node's shaped eth0) and runs the same GPT and batches through ``scape_ds.initialize`` with four
@@ -99,6 +100,12 @@ ROWS.update({f"SCAPE {s} hier": {"optimizer": {"type": "ScapeAdamS", "params": O
 ROWS.update({f"SCAPE {s} dct": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                  "scape": {"sparsity": s, "basis": "dct", "mask": "per_rank", "clip_local": 1.0,
                                            "ef_decay": 0.999}} for s in (0.9, 0.99)})
+# --dct --overlap: ds_configs/scape_dct_overlap.json's exchange with and without overlap, both with
+# gradient_clipping 0 (the overlap refuses the global clip), beside the coordinate basis with overlap
+ROWS.update({f"SCAPE {s} dct noclip{' overlap' if o else ''}": {
+    "optimizer": {"type": "ScapeAdamS", "params": OPT}, "gradient_clipping": 0.0,
+    "scape": {"sparsity": s, "basis": "dct", "mask": "per_rank", "clip_local": 1.0, "ef_decay": 0.999, "overlap": o}}
+    for s in (0.9, 0.99) for o in (False, True)})
 # scape.overlap (--overlap): the bucketed exchange beside the same SCAPE rows, and dense AdamW at the
 # settings a user would run it with overlap: DeepSpeed ZeRO-1 with overlap_comm, and torch DDP
 # (bucketed all-reduce from autograd hooks, its default 25 MB buckets)
@@ -121,6 +128,8 @@ CLUSTER_ROWS = ["dense AdamW", "dense AdamS", "SCAPE 0.9", "SCAPE 0.99"]
 OVERLAP_ROWS = ["dense AdamW", "dense AdamW ZeRO-1 overlap_comm", "dense AdamW DDP", "SCAPE 0.9", "SCAPE 0.9 overlap",
                 "SCAPE 0.99", "SCAPE 0.99 overlap 4MB", "SCAPE 0.99 overlap"]
 DCT_ROWS = ["dense AdamW", "SCAPE 0.99", "SCAPE 0.99 dct", "SCAPE 0.9", "SCAPE 0.9 dct"]
+DCT_OVERLAP_ROWS = ["dense AdamW", "SCAPE 0.99 overlap", "SCAPE 0.99 dct noclip", "SCAPE 0.99 dct noclip overlap",
+                    "SCAPE 0.9 overlap", "SCAPE 0.9 dct noclip", "SCAPE 0.9 dct noclip overlap"]
 HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
               "SCAPE ZeRO-3 0.99 replica"]
@@ -354,6 +363,8 @@ def cluster_rows(args) -> list[str]:
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
     if args.hier:
         return list(HIER_ROWS)
+    if args.overlap and args.dct:
+        return list(DCT_OVERLAP_ROWS)
     if args.overlap:  # --zero3: the SCAPE stage 3 in sparse_replica mode, with and without overlap
         return list(OVERLAP_ROWS) + (["SCAPE ZeRO-3 0.99 replica", "SCAPE ZeRO-3 0.99 replica overlap"]
                                      if args.zero3 else [])

@@ -152,9 +152,9 @@ class ScapeConfig(BaseModel):
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     2.1e-3, 0.7x AdamW's) 0.997x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
-    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node",
-    elastic resume and ``overlap`` run only there; the recommended setting at ZeRO stage 0/1 is
-    ds_configs/scape_dct.json."""
+    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node"
+    and elastic resume run only there; the recommended setting at ZeRO stage 0/1 is
+    ds_configs/scape_dct.json (with ``overlap``: ds_configs/scape_dct_overlap.json)."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"
     """``basis="dct"``: ``per_rank``: every rank sends its own top-kc coefficients of each tile with
@@ -226,10 +226,15 @@ class ScapeConfig(BaseModel):
     (with tensor parallelism, and pipeline stages as DeepSpeed's PipelineModule: buckets leave in the
     last backward of each ``train_batch``, the tied weights' group in the step), and ZeRO-3 with
     ``param_exchange "sparse_replica"`` (its all-gather of new values per bucket of parameters,
-    waited for by the forward; ZeRO-3's gradient exchange runs in DeepSpeed's own bucket hooks);
-    refused in one line elsewhere. What the gradients are changed
-    to between backward and ``step()`` (``clip_grad_norm_``, a ``GradScaler``'s unscale) is not seen:
-    they left in backward. Parameters read outside a forward or the model's ``state_dict()`` need
+    waited for by the forward; ZeRO-3's gradient exchange runs in DeepSpeed's own bucket hooks).
+    Basis "dct" (``mask "per_rank"``, ``dct_update`` "sign", "rms" or "signum", ``gradient_clipping``
+    0; ``clip_local`` allowed): nothing can leave during backward (``clip_local`` needs the whole
+    local norm first), so ``step()`` transforms each bucket of whole weights and starts its
+    all-gathers, and each weight's decode and update wait for its module's forward; parameters,
+    error feedback and bytes are bitwise the non-overlapped path's at any D (ds_configs/
+    scape_dct_overlap.json). Refused in one line elsewhere. In the coordinate basis what the gradients
+    are changed to between backward and ``step()`` (``clip_grad_norm_``, a ``GradScaler``'s unscale) is
+    not seen: they left in backward. Parameters read outside a forward or the model's ``state_dict()`` need
     ``optimizer.synchronize()`` first (checkpoint saves and the model's state_dict call it). Off by
     default: measured on 4 emulated nodes it helps SCAPE 0.9 and not 0.99 (bench/RESULTS.md,
     "Overlap"), and it has no GPU measurement yet."""
@@ -237,13 +242,14 @@ class ScapeConfig(BaseModel):
     bucket_mb: float = 25.0
     """``overlap``: megabytes of gradient (in the compute dtype) per bucket, as DDP's ``bucket_cap_mb``;
     smaller buckets start sooner and cost more collectives. Rounded to whole chunks and cut at owner
-    boundaries; under ZeRO-3 (``sparse_replica``) runs of whole parameters in ds_id order, a larger
-    parameter a bucket of its own. > 0."""
+    boundaries; basis "dct": runs of whole weights in forward order; under ZeRO-3 (``sparse_replica``)
+    runs of whole parameters in ds_id order; a larger weight or parameter a bucket of its own. > 0."""
 
     buckets_in_flight: int = 8
-    """``overlap``: the most gradient buckets whose reduce may be on the wire at once; starting one more
-    first waits for the oldest (inside backward). Bounds what the backend queues (and, with bf16
-    parameters and fp32 error feedback, the per-bucket copies of the wire values). 0: no bound."""
+    """``overlap`` (coordinate basis): the most gradient buckets whose reduce may be on the wire at
+    once; starting one more first waits for the oldest (inside backward). Bounds what the backend
+    queues (and, with bf16 parameters and fp32 error feedback, the per-bucket copies of the wire
+    values). 0: no bound."""
 
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
@@ -353,16 +359,21 @@ class ScapeConfig(BaseModel):
             if value != default and (self.basis, self.mask) != ("dct", "shared"):
                 raise ValueError(f"{name} {value!r} applies to the shared mask of basis 'dct': it needs basis 'dct' "
                                  f"and mask 'shared', got basis {self.basis!r}, mask {self.mask!r}")
-        if self.overlap:
-            settings = dict(basis=(self.basis, "coordinate"), hierarchy=(self.hierarchy, "flat"),
-                            update_rule=(self.update_rule, "lazy"), reselect_interval=(self.reselect_interval, 0),
-                            clip_local=(self.clip_local, 0.0))
+        if self.overlap and self.basis == "dct":  # the exchange runs in step(), the update under the next forward
+            allowed = dict(mask=(self.mask, ("per_rank",)), dct_update=(self.dct_update, ("sign", "rms", "signum")))
+            bad = [f"{k} {v!r} (needs one of {', '.join(want)})" for k, (v, want) in allowed.items() if v not in want]
+            if bad:
+                raise ValueError("scape.overlap with basis 'dct' is built for: " + ", ".join(bad))
+        elif self.overlap:
+            settings = dict(hierarchy=(self.hierarchy, "flat"), update_rule=(self.update_rule, "lazy"),
+                            reselect_interval=(self.reselect_interval, 0), clip_local=(self.clip_local, 0.0))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if self.clip_local:  # why it cannot be built, not only that it is not yet
                 bad[-1] += (": clip_local scales by the norm of the whole local gradient, known only when "
-                            "backward ends, before any bucket may enter error feedback")
+                            "backward ends, before any bucket may enter error feedback (basis 'dct' overlaps "
+                            "with it: its update waits for the next forward instead)")
             if bad:
-                raise ValueError("scape.overlap is built for the coordinate exchange only so far: " + ", ".join(bad))
+                raise ValueError("scape.overlap in the coordinate basis is built for: " + ", ".join(bad))
         if self.update_rule == "sign_drift" and not 1 <= self.drift_steps < self.mask_refresh_interval:
             raise ValueError(f"drift_steps must be in [1, mask_refresh_interval={self.mask_refresh_interval}), "
                              f"got {self.drift_steps}")

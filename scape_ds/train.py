@@ -281,6 +281,8 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
                 f"{opt.cfg.mask} mask, {opt.cfg.dct_update} update)")
     else:
         kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}"
+    if opt is not None and opt.cfg.overlap:
+        kind += f", overlap ({opt.cfg.bucket_mb:g} MB buckets)"
     stage3 = is_scape_stage3(opt)
     intra = getattr(opt, "intra_comm", None)
     if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics

@@ -83,13 +83,20 @@ class TileLayout:
         return self.numel // self.chunk_size
 
 
+def _weights(layout: TileLayout, weights: range | None):
+    """(shape, flat offset, tile grid, coefficient offset) of each weight in ``weights`` (default: all)."""
+    rows = list(zip(layout.shapes, layout.offsets, layout.tile_grid, layout.coef_offsets))
+    return rows if weights is None else rows[weights.start : weights.stop]
+
+
 def to_coefficients(layout: TileLayout, flat: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels,
-                    decay: float | None = None) -> None:
+                    decay: float | None = None, weights: range | None = None) -> None:
     """Write the tile coefficients of every weight in ``flat`` ((N_pad,) parameter space) into ``out``
     ((layout.numel,) fp32, the padding tiles untouched); with ``decay``, accumulate instead:
-    ``out = decay * out + Q flat`` (error feedback). Temporaries: one weight's tiles at a time."""
+    ``out = decay * out + Q flat`` (error feedback). ``weights``: only these weights (a range of their
+    indices). Temporaries: one weight's tiles at a time."""
     t = layout.tile
-    for (r, c), off, (gr, gc), coff in zip(layout.shapes, layout.offsets, layout.tile_grid, layout.coef_offsets):
+    for (r, c), off, (gr, gc), coff in _weights(layout, weights):
         x = flat[off : off + r * c].view(r, c).to(out.dtype)  # (r, c)
         if (gr * t, gc * t) != (r, c):
             x = F.pad(x, (0, gc * t - c, 0, gr * t - r))  # (gr t, gc t) zeros outside the weight
@@ -103,11 +110,15 @@ def to_coefficients(layout: TileLayout, flat: torch.Tensor, out: torch.Tensor, q
             dst.add_(kernels.dct_tiles(tiles, q, inverse=False))
 
 
-def from_coefficients(layout: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> None:
+def from_coefficients(layout: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels,
+                      weights: range | None = None, coef_base: int = 0, out_base: int = 0) -> None:
     """Decode ``coef`` ((layout.numel,) fp32) into parameter space: each weight's inverse transform,
-    cropped to the weight, written into its range of ``out`` ((N_pad,), its padding untouched)."""
+    cropped to the weight, written into its range of ``out`` ((N_pad,), its padding untouched).
+    ``weights``: only these weights; ``coef`` and ``out`` then may hold just their part, starting at
+    coefficient ``coef_base`` and flat offset ``out_base``."""
     t = layout.tile
-    for (r, c), off, (gr, gc), coff in zip(layout.shapes, layout.offsets, layout.tile_grid, layout.coef_offsets):
+    for (r, c), off, (gr, gc), coff in _weights(layout, weights):
+        coff, off = coff - coef_base, off - out_base
         y = coef[coff : coff + gr * gc * t * t].view(gr * gc, t, t)  # (tiles, t, t) view
         x = kernels.dct_tiles(y, q, inverse=True).view(gr, gc, t, t).permute(0, 2, 1, 3).reshape(gr * t, gc * t)
         out[off : off + r * c].view(r, c).copy_(x[:r, :c])

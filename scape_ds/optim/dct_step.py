@@ -41,7 +41,8 @@ from ..comm import Communicator
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.masks import offsets_to_index
 
-__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum"]
+__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
+           "add_per_rank", "apply_update", "square_norm_fp64"]
 
 
 @dataclass
@@ -83,6 +84,58 @@ def union_slots(nominated: torch.Tensor, n_chunks: int, world_size: int, per_ran
     repeated = torch.zeros_like(later).scatter_(1, order, later)  # back to slot order
     base = torch.arange(n_chunks, dtype=torch.int64, device=local.device).unsqueeze(1) * chunk_size
     return local + base, repeated
+
+
+def pick_per_rank(kernels, error: torch.Tensor, chunk_size: int, k_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask="per_rank"``: this rank's top-kc ``|error|`` of each tile of ``error`` (a view of whole
+    tiles), taken out of it (``error[mask] = 0``). Returns (k,) int16 in-tile offsets and (k,) values."""
+    offsets = kernels.chunk_topk(error, chunk_size, k_per_chunk)  # (n_chunks kc,) int16
+    index = offsets_to_index(offsets, chunk_size, k_per_chunk)  # (k,) int64
+    values = error.index_select(0, index)  # (k,) fp32: what this rank sends
+    error.index_fill_(0, index, 0.0)
+    return offsets, values
+
+
+def add_per_rank(mean: torch.Tensor, all_values: torch.Tensor, all_offsets: torch.Tensor, world_size: int,
+                 chunk_size: int, k_per_chunk: int) -> None:
+    """``mask="per_rank"``: add every rank's sent values (``all_values`` (D k,), ``all_offsets`` (D k,)
+    int16, rank-major, of the tiles ``mean`` covers) into ``mean``, in rank order: the same sum on every
+    rank (no offset repeats inside one rank's part)."""
+    k = all_values.numel() // world_size
+    for r in range(world_size):
+        part = slice(r * k, (r + 1) * k)
+        mean.index_add_(0, offsets_to_index(all_offsets[part], chunk_size, k_per_chunk), all_values[part])
+
+
+def apply_update(rule: str, param: torch.Tensor, signal: torch.Tensor, momentum: torch.Tensor | None,
+                 parts: list[tuple[int, int]], lr: float, weight_decay: float, beta1: float) -> None:
+    """Move ``param`` by the decoded mean ``signal`` (the same range of the flat buffer; consumed) with
+    the stateless or momentum rules of ``dct_update``, alike on every rank: ``sign``: ``p = (1 - lr wd)
+    p - lr sign(u)`` (DeMo); ``rms``: ``p = (1 - lr wd) p - lr u / rms(u)``, the RMS over each tensor's
+    part of u (``parts``: (offset, numel) of each tensor inside the range); ``signum``: ``m = beta1 m +
+    (1 - beta1) u``, ``p = (1 - lr wd) p - lr sign(m)`` (``momentum``: the range of m)."""
+    decay = 1.0 - lr * weight_decay
+    if rule == "sign":
+        param.mul_(decay).add_(torch.sign(signal, out=signal), alpha=-lr)
+    elif rule == "rms":
+        views = [signal[off : off + n] for off, n in parts]
+        squares = torch.stack([square_norm_fp64(v) for v in views]).tolist()  # one host sync
+        for view, square in zip(views, squares):
+            rms = square**0.5 / view.numel() ** 0.5
+            view.mul_(1.0 / rms if rms > 0 else 0.0)
+        param.mul_(decay).add_(signal, alpha=-lr)
+    elif rule == "signum":
+        momentum.lerp_(signal, 1.0 - beta1)
+        param.mul_(decay).add_(torch.sign(momentum, out=signal), alpha=-lr)
+    else:
+        raise ValueError(f"apply_update takes 'sign', 'rms' or 'signum', got {rule!r}")
+
+
+def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """||t||^2 summed in fp64, a block at a time (no fp64 copy of a whole gradient buffer: N elements,
+    8 N bytes and a pass over them), as a 0-d fp64 tensor on ``t``'s device: the caller syncs once."""
+    norms = [torch.linalg.vector_norm(part, dtype=torch.float64) for part in t.reshape(-1).split(block)]
+    return torch.stack(norms).square().sum()
 
 
 def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
@@ -150,17 +203,11 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
     keep = None
     if mask == "per_rank":
-        offsets = kernels.chunk_topk(error, C, k_per_chunk)  # (n_chunks kc,) int16
-        index = offsets_to_index(offsets, C, k_per_chunk)  # (k,) int64
-        values = error.index_select(0, index)  # (k,) fp32: what this rank sends
-        error.index_fill_(0, index, 0.0)
-        k = index.numel()
-        all_values = torch.empty(D * k, dtype=values.dtype, device=values.device)  # (D k,)
+        offsets, values = pick_per_rank(kernels, error, C, k_per_chunk)  # (k,) int16, (k,) fp32
+        all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k,)
         comm.all_gather(all_values, values, "grad_ag")
         all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
-        for r in range(D):  # rank order: the same sum on every rank; no index repeats inside one rank's
-            part = slice(r * k, (r + 1) * k)
-            mean.index_add_(0, offsets_to_index(all_offsets[part], C, k_per_chunk), all_values[part])
+        add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
     elif mask == "shared":
         if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64

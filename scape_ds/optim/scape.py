@@ -52,7 +52,8 @@ from ..exchange.masks import offsets_to_index, random_offsets, select_mask
 from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
-from .dct_step import HeldMask, decode_dct, exchange_dct, next_mask_from_momentum
+from .dct_overlap import DctOverlap
+from .dct_step import HeldMask, apply_update, decode_dct, exchange_dct, next_mask_from_momentum, square_norm_fp64
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -91,7 +92,7 @@ class _GroupState:
     dct_q: torch.Tensor | None = None  # basis "dct": (t, t) fp32 the DCT-II matrix
     held_mask: HeldMask | None = None  # basis "dct", mask "shared": the mask kept for the next step
     coef_momentum: torch.Tensor | None = None  # basis "dct", mask_source "momentum": (S,) the owner's m
-    overlap: OverlapExchange | None = None  # scape.overlap: the bucketed exchange of the sparse params
+    overlap: OverlapExchange | DctOverlap | None = None  # scape.overlap: the bucketed exchange of the sparse params
 
 
 class ScapeAdamS(Optimizer):
@@ -151,6 +152,10 @@ class ScapeAdamS(Optimizer):
         # the node stage around the exchange, chosen once: nothing for a flat group
         self._node = NodeStage(intra_comm) if intra_comm is not None else FlatStage()
         self.max_grad_norm = float(max_grad_norm)
+        if self.cfg.overlap and self.cfg.basis == "dct" and self.max_grad_norm > 0:
+            raise ValueError(f"scape.overlap with basis 'dct' needs gradient_clipping 0 (got {max_grad_norm:g}; "
+                             f"DeepSpeed's default is 1.0): its factor needs the norm of the whole decoded mean, "
+                             f"known only after the last bucket; clip_local clips each rank's gradient instead")
         self.norm_group = norm_group
         self.schedule = MaskSchedule(self.cfg.mask_refresh_interval, self.cfg.dense_refresh,
                                      always_dense=self.cfg.compressor == "dense")
@@ -237,7 +242,8 @@ class ScapeAdamS(Optimizer):
                     gs.drift_sign = torch.zeros(layout.padded_numel, dtype=torch.int8, device=device)  # (N_pad,)
                 self._kernels = self._kernels or get_kernels(device, self.cfg.kernels)
                 if self.cfg.overlap and not any(id(p) in self._at_step for p in sparse):  # bucket_mb, compute dtype
-                    gs.overlap = OverlapExchange(self, gs, int(self.cfg.bucket_mb * 2**20) // flat.element_size())
+                    kind = DctOverlap if self.cfg.basis == "dct" else OverlapExchange
+                    gs.overlap = kind(self, gs, int(self.cfg.bucket_mb * 2**20) // flat.element_size())
             for p in dense:
                 self.comm.broadcast(p.data, 0, "init")
                 node.broadcast(p.data, "init")
@@ -355,7 +361,10 @@ class ScapeAdamS(Optimizer):
         for group, gs in zip(self.param_groups, self._groups):  # coefficients), the dense tensors' mean
             dense_g = self._reduce_dense(gs)
             signal = None
-            if gs.flat_param is not None:
+            if gs.flat_param is not None and gs.overlap is not None:  # applied when the next forward needs it
+                self._attach_grads(gs)
+                gs.overlap.start(group)
+            elif gs.flat_param is not None:
                 self._attach_grads(gs)
                 sent = None if dense_step else gs.held_mask
                 signal, gs.held_mask = exchange_dct(
@@ -384,21 +393,10 @@ class ScapeAdamS(Optimizer):
         clipping) and "adams" take the decoded mean u (N_pad,); "adams_coef" takes the mean coefficients
         (numel,), runs AdamS there (its momentum in coefficients) and decodes the step."""
         lr, wd = group["lr"], group["weight_decay"]
-        if self.cfg.dct_update == "sign":  # p = (1 - lr wd) p - lr sign(u); u (a consumed buffer) becomes sign(u)
-            gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(signal, out=signal), alpha=-lr)
-            return
-        if self.cfg.dct_update == "rms":  # p = (1 - lr wd) p - lr u / rms(u), the RMS of each tensor's part of u
-            parts = [signal[off : off + n] for off, n in zip(gs.layout.offsets, gs.layout.numels)]  # views
-            squares = torch.stack([_square_norm_fp64(part) for part in parts]).tolist()  # one host sync
-            for part, square in zip(parts, squares):
-                rms = square**0.5 / part.numel() ** 0.5
-                part.mul_(1.0 / rms if rms > 0 else 0.0)
-            gs.flat_param.mul_(1.0 - lr * wd).add_(signal, alpha=-lr)
-            return
         beta1, beta2 = group["betas"]
-        if self.cfg.dct_update == "signum":  # m = beta1 m + (1 - beta1) u; p = (1 - lr wd) p - lr sign(m)
-            gs.momentum.lerp_(signal, 1.0 - beta1)
-            gs.flat_param.mul_(1.0 - lr * wd).add_(torch.sign(gs.momentum, out=signal), alpha=-lr)
+        if self.cfg.dct_update in ("sign", "rms", "signum"):
+            parts = list(zip(gs.layout.offsets, gs.layout.numels))
+            apply_update(self.cfg.dct_update, gs.flat_param, signal, gs.momentum, parts, lr, wd, beta1)
             return
         hyper = dict(grad_scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                      bias_correction=1.0 - beta1**t if group["bias_correction"] else 1.0)
@@ -428,7 +426,7 @@ class ScapeAdamS(Optimizer):
                     grads.append(p.grad)
                     if not getattr(p, "scape_norm_skip", False):
                         counted.append(p.grad)
-        squares = [_square_norm_fp64(g) for g in counted]
+        squares = [square_norm_fp64(g) for g in counted]
         total = self._sum_over_norm_group(float(torch.stack(squares).sum()) if squares else 0.0)  # one sync
         scale = self.cfg.clip_local / (math.sqrt(total) + 1e-6)
         if scale < 1.0:
@@ -455,7 +453,7 @@ class ScapeAdamS(Optimizer):
         total = 0.0
         for gs, (signal, dense_g) in zip(self._groups, signals):
             if signal is not None and not gs.norm_skip:
-                total += float(_square_norm_fp64(signal))
+                total += float(square_norm_fp64(signal))
             total += _dense_square_norm(gs.dense_params, dense_g)
         norm = math.sqrt(self._sum_over_norm_group(total))
         self.last_grad_norm = norm
@@ -918,13 +916,6 @@ def _dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None)
     grads = torch.split(dense_g, [p.numel() for p in params])
     return sum(float(g.double().square().sum()) for p, g in zip(params, grads)
                if not getattr(p, "scape_norm_skip", False))
-
-
-def _square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
-    """||t||^2 summed in fp64, a block at a time (no fp64 copy of a whole gradient buffer: N elements,
-    8 N bytes and a pass over them), as a 0-d fp64 tensor on ``t``'s device: the caller syncs once."""
-    norms = [torch.linalg.vector_norm(part, dtype=torch.float64) for part in t.reshape(-1).split(block)]
-    return torch.stack(norms).square().sum()
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:

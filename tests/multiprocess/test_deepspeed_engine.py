@@ -470,7 +470,11 @@ def test_cpu_engine_skips_deepspeeds_unused_shm_op_build(tmp_path):
     (lambda c: c["optimizer"].update(type="AdamW"), "'scape' block but optimizer.type is 'AdamW'"),
     (lambda c: c.update(zero_optimization={"stage": 3}) or c["scape"].update(overlap=True),
      "scape.overlap under ZeRO stage 3 overlaps param_exchange 'sparse_replica''s all-gather"),
-    (lambda c: c["scape"].update(overlap=True, basis="dct"), "scape.overlap is built for the coordinate exchange"),
+    (lambda c: c["scape"].update(overlap=True, basis="dct", mask="shared"),
+     "scape.overlap with basis 'dct' is built for: mask 'shared' (needs one of per_rank)"),
+    (lambda c: c["scape"].update(overlap=True, basis="dct") or c.update(gradient_clipping=1.0),
+     "scape.overlap with basis 'dct' needs gradient_clipping 0 (got 1;"),
+    (lambda c: c["scape"].update(overlap=True, clip_local=1.0), "clip_local 1.0 (needs 0.0): clip_local scales"),
     (lambda c: c["scape"].update(overlap=True, bucket_mb=0), "scape.bucket_mb: must be > 0"),
 ])
 def test_unsupported_combinations_fail_at_initialize(edit, message):

@@ -44,7 +44,8 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _build(seed, scape, overlap, hooked, is_boundary=None, lr=1e-2, dtype=torch.float32):
     model = _Net(seed).to(dtype)
-    opt = ScapeAdamS(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0,
+    clip = 0.0 if scape.get("basis") == "dct" else 1.0  # basis dct's overlap refuses the global clip
+    opt = ScapeAdamS(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=clip,
                      scape=dict(scape, overlap=overlap, bucket_mb=BUCKET_MB))
     if overlap and hooked:
         opt.attach_model(model, is_boundary)
@@ -145,19 +146,21 @@ def test_buckets_in_flight_are_bounded(tmp_path, limit):
             assert max(most) > 2, most  # without a bound more than two are on the wire (gloo, loopback)
 
 
-def _worker_resume(rank, world_size, tmp_path, steps, cut):
-    model, opt = _build(7, SCAPE, True, True)
+def _worker_resume(rank, world_size, tmp_path, steps, cut, scape=SCAPE):
+    """``steps`` straight, or ``cut`` steps, a save (the state_dicts) and a resume into a model and
+    optimizer built from another seed: True where the parameters are the same bits."""
+    model, opt = _build(7, scape, True, True)
     for _ in _train(model, opt, rank, steps):
         pass
     opt.synchronize()
     straight = flat_params(model)
-    model, opt = _build(7, SCAPE, True, True)
+    model, opt = _build(7, scape, True, True)
     for _ in _train(model, opt, rank, cut):
         pass
     saved = dict(model=model.state_dict(), opt=opt.state_dict())  # state_dict waits for values in flight
     saved = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in d.items()} if k == "model" else d
              for k, d in saved.items()}
-    resumed, opt2 = _build(8, SCAPE, True, True)  # another seed: everything must come from the checkpoint
+    resumed, opt2 = _build(8, scape, True, True)  # another seed: everything must come from the checkpoint
     resumed.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     for _ in _train(resumed, opt2, rank, steps - cut, first=cut):
@@ -172,7 +175,10 @@ def test_overlap_resumes_exactly_mid_run(tmp_path):
 
 
 # ---------------------------------------------------------------- through DeepSpeed's engine
-def _worker_engine(rank, world_size, tmp_path, gas):
+def _worker_engine(rank, world_size, tmp_path, gas, config="scape.json", scape_extra=None):
+    """7 steps through scape_ds.initialize with ``config`` (its "scape" block updated by
+    ``scape_extra``), without and with overlap. Returns whether parameters and losses are the same bits,
+    and (buckets started in backward, buckets, whether the forward is hooked) of the overlapped run."""
     import json
     import os
 
@@ -185,33 +191,36 @@ def _worker_engine(rank, world_size, tmp_path, gas):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     train, _ = build_datasets()
-    params, early = {}, {}
+    params, losses, early = {}, {}, {}
     for overlap in (False, True):
-        with open(os.path.join(repo, "ds_configs", "scape.json")) as f:
+        with open(os.path.join(repo, "ds_configs", config)) as f:
             cfg = json.load(f)
         cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=gas)
-        cfg["scape"].update(mask_refresh_interval=3, chunk_size=256, overlap=overlap, bucket_mb=BUCKET_MB)
+        cfg["scape"].update(chunk_size=256, overlap=overlap, bucket_mb=BUCKET_MB, **(scape_extra or {}))
         torch.manual_seed(0)
         engine, *_ = scape_ds.initialize(model=GPT(GPTConfig(seq_len=32, n_layer=1, n_head=2, n_embd=64)), config=cfg)
+        losses[overlap] = []
         for step in range(7):
             for micro in range(gas):
                 x, y = get_batch(train, 4, 32, step * gas + micro, rank, world_size, 0)
                 _, loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
+                losses[overlap].append(loss.item())
         opt = scape_optimizer(engine)
         opt.synchronize()
         params[overlap] = flat_params(engine.module)
         if overlap:
             ov = opt._groups[0].overlap
-            early = (ov.started_in_backward, len(ov.buckets), ov.forward_hooked)
-    return bool(torch.equal(params[False], params[True])), early
+            early = (getattr(ov, "started_in_backward", 0), len(ov.buckets), ov.forward_hooked)
+    return bool(torch.equal(params[False], params[True])) and losses[False] == losses[True], early
 
 
 @pytest.mark.parametrize("gas", [1, 2])
 def test_overlap_through_the_engine(tmp_path, gas):
     # scape_ds.initialize hooks the model's forward and DeepSpeed's accumulation boundary
-    for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas):
+    for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas, "scape.json",
+                                                       dict(mask_refresh_interval=3)):
         assert equal and hooked and early == n_buckets > 1, (equal, early, n_buckets, hooked)
 
 

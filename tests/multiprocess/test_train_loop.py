@@ -28,6 +28,24 @@ def _worker(rank, world_size, tmp_path, steps, config, extra=()):
     return calls, summary
 
 
+def _worker_opening(rank, world_size, tmp_path, config):
+    """The run's opening line (rank 0 prints it) from a 1-step run."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _worker(rank, world_size, tmp_path, 1, config)
+    return next((line for line in out.getvalue().splitlines() if "params on rank 0" in line), None)
+
+
+def test_opening_line_names_the_overlap(tmp_path):
+    line, _ = run_ranks(_worker_opening, 2, tmp_path / "a", "scape_dct_overlap.json", timeout_s=120)
+    assert "SCAPE dct sparsity 0.99" in line and "overlap (25 MB buckets)" in line, line
+    line, _ = run_ranks(_worker_opening, 2, tmp_path / "b", "scape_dct.json", timeout_s=120)
+    assert "SCAPE dct sparsity 0.99" in line and "overlap" not in line, line
+
+
 @pytest.mark.parametrize("config", ["scape.json", "scape_hier.json", "scape_dct.json"])
 def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_path, config):
     steps = 3
@@ -44,7 +62,7 @@ def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_pa
         assert (r["bytes_inter"] if config == "scape_hier.json" else r["bytes_intra"]) == 0
 
 
-@pytest.mark.parametrize("config", ["scape_hier.json", "scape_dct.json"])
+@pytest.mark.parametrize("config", ["scape_hier.json", "scape_dct.json", "scape_dct_overlap.json"])
 def test_run_resumes_exactly_from_its_checkpoint(tmp_path, config):
     """through save_checkpoint/load_checkpoint: 4 steps straight, or 2 + a resume to 4."""
     ckpt = os.path.join(tmp_path, "ckpt")

@@ -6,7 +6,9 @@ import torch
 
 from scape_ds.comm import SimulatedCommunicator, collective_bytes
 from scape_ds.config import parse_scape_config
+from scape_ds.exchange.basis import TileLayout
 from scape_ds.exchange.layout import FlatLayout
+from scape_ds.optim.dct_overlap import plan_dct_buckets
 from scape_ds.optim.overlap import plan_buckets
 
 
@@ -54,7 +56,8 @@ def test_simulated_communicator_reduce_and_broadcast():
 
 
 @pytest.mark.parametrize("edit,message", [
-    (dict(basis="dct"), "basis 'dct' (needs 'coordinate')"),
+    (dict(basis="dct", mask="shared"), "basis 'dct' is built for: mask 'shared' (needs one of per_rank)"),
+    (dict(basis="dct", dct_update="adams"), "dct_update 'adams' (needs one of sign, rms, signum)"),
     (dict(hierarchy="node"), "hierarchy 'node' (needs 'flat')"),
     (dict(update_rule="catchup"), "update_rule 'catchup' (needs 'lazy')"),
     (dict(clip_local=1.0), "clip_local 1.0 (needs 0.0)"),
@@ -70,3 +73,24 @@ def test_overlap_refuses_what_it_is_not_built_for(edit, message):
 def test_overlap_off_by_default_with_ddp_sized_buckets():
     cfg = parse_scape_config({})
     assert cfg.overlap is False and cfg.bucket_mb == 25.0 and cfg.buckets_in_flight == 8
+
+
+@pytest.mark.parametrize("world_size,bucket_numel", [(1, 10**9), (2, 6144), (4, 1), (2, 20000)])
+def test_dct_buckets_are_runs_of_whole_weights_covering_both_buffers_once(world_size, bucket_numel):
+    shapes = [(96, 64), (128, 96), (50, 7), (64, 64)]  # 6144, 12288, 350 (one padded tile), 4096 elements
+    tensors = [torch.empty(s) for s in shapes]
+    layout = FlatLayout.build(tensors, world_size, 1024)
+    tiles = TileLayout.build(tensors, layout.offsets, world_size, 32)
+    buckets = plan_dct_buckets(tiles, layout.numels, layout.padded_numel, bucket_numel)
+    flat, coef = torch.zeros(layout.padded_numel, dtype=torch.int32), torch.zeros(tiles.numel, dtype=torch.int32)
+    weights = []
+    for b in buckets:
+        weights += list(b.weights)
+        assert b.lo == layout.offsets[b.weights[0]] and b.coef_lo == tiles.coef_offsets[b.weights[0]]
+        size = sum(layout.numels[w] for w in b.weights)
+        assert size <= bucket_numel or len(b.weights) == 1, (b, bucket_numel)  # a larger weight alone
+        flat[b.lo : b.hi] += 1
+        coef[b.coef_lo : b.coef_hi] += 1
+    assert weights == list(range(len(shapes)))  # forward order, each weight once
+    assert bool((flat == 1).all()) and bool((coef == 1).all())
+    assert len(buckets) == {10**9: 1, 6144: 3, 1: 4, 20000: 2}[bucket_numel]
