@@ -109,6 +109,9 @@ RUNS: dict[str, tuple] = {
     "dct90_adams": ("SCAPE dct 0.9, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
                     dict(sparsity=0.9, dct_update="adams")),
     "dct99_noclip": ("SCAPE dct 0.99, per-rank masks, no clip_local", "scape_dct.json", dict(clip_local=0.0)),
+    # ds_configs/scape_dct_overlap.json: scape_dct.json with scape.overlap and gradient_clipping 0 (the
+    # overlap refuses the global clip; the update is bitwise the non-overlapped one, so this measures the clip)
+    "dct99_overlap": ("SCAPE dct 0.99, per-rank masks, overlap, no gradient_clipping", "scape_dct_overlap.json", {}),
     "dct99_adams": ("SCAPE dct 0.99, per-rank masks, AdamS on the decoded mean", "scape_dct.json",
                     dict(dct_update="adams")),
     "dct99_adamscoef": ("SCAPE dct 0.99, per-rank masks, AdamS on the coefficients", "scape_dct.json",
