@@ -107,11 +107,13 @@ def case_overlap() -> dict:
 
 
 def case_dct() -> dict:
-    """basis "dct" over MPI against the torch backend, both masks: the same parameters and bytes."""
+    """basis "dct" over MPI against the torch backend, both masks, and per_rank with scape.overlap over
+    MPI (Iallgather per bucket) against the torch backend without it: the same parameters and bytes."""
     out = {}
-    for mask in ("per_rank", "shared"):
-        scape = dict(basis="dct", mask=mask, sparsity=0.9, clip_local=1.0, ef_decay=0.999)
-        model_mpi, bytes_mpi, eq_mpi = _train("mpi", scape, 8)
+    for mask in ("per_rank", "shared", "per_rank_overlap"):
+        scape = dict(basis="dct", mask=mask.removesuffix("_overlap"), sparsity=0.9, clip_local=1.0, ef_decay=0.999)
+        overlap = dict(overlap=True, bucket_mb=8192 * 4 / 2**20) if mask.endswith("_overlap") else {}
+        model_mpi, bytes_mpi, eq_mpi = _train("mpi", dict(scape, **overlap), 8)  # two buckets of one weight
         model_torch, bytes_torch, _ = _train("torch", scape, 8)
         assert all(eq_mpi), f"{mask}: replicas differ at steps {[i for i, e in enumerate(eq_mpi) if not e]}"
         assert bytes_mpi == bytes_torch, (mask, bytes_mpi, bytes_torch)
