@@ -13,14 +13,16 @@ values), so each weight needs only its own coefficients before the next forward 
    of at most ``bucket_mb`` (a larger weight a bucket of its own); a bucket is a range of the flat
    parameter buffer and the range of the coefficient buffer its tiles fill (the last bucket keeps the
    padding of both).
-2. ``step()`` (after ``clip_local`` and the dense tensors' all-reduce and update) runs, bucket after
-   bucket, steps 1-3 of the DCT exchange on the bucket's weights (``e = decay e + Q g``, this rank's
-   top-kc of each tile taken out of ``e``) and starts the two all-gathers of its values and offsets,
-   asynchronously; the later buckets' transforms run while the earlier ones are on the wire.
+2. ``step()`` (after ``clip_local`` and the dense tensors' all-reduce) runs, bucket after bucket,
+   steps 1-3 of the DCT exchange on the bucket's weights (``e = decay e + Q g``, this rank's top-kc of
+   each tile taken out of ``e``) and starts the two all-gathers of its values and offsets,
+   asynchronously; the later buckets' transforms run while the earlier ones are on the wire. Then it
+   updates the dense tensors.
 3. A forward pre-hook on every module holding sparse weights waits for its buckets; then, under
    ``no_grad``, the bucket's received values are summed in rank order, divided by D, decoded into a
    temporary of the bucket's size and applied (``dct_update`` "sign", "rms" or "signum") with the
-   learning rate and weight decay of the step that sent them. ``step()``, ``synchronize()``, saves
+   learning rate and weight decay of the step that sent them, outside any autocast the forward runs
+   under. ``step()``, ``synchronize()``, saves
    and loads wait for what no forward waited for; without an attached model ``step()`` waits itself.
 
 Every weight's arithmetic is the non-overlapped step's, weight by weight and in the same order (the
@@ -134,7 +136,8 @@ class DctOverlap:
         bucket is waited for, with ``group``'s learning rate and weight decay as they are now."""
         opt, gs, cfg, comm = self.opt, self.gs, self.opt.cfg, self.opt.comm
         C, kc, D = cfg.chunk_size, cfg.k_per_chunk, comm.world_size
-        lr, wd, beta1 = group["lr"], group["weight_decay"], group["betas"][0]
+        # floats now: a scheduler may change the group (even a tensor lr in place) before the update runs
+        lr, wd, beta1 = float(group["lr"]), float(group["weight_decay"]), float(group["betas"][0])
         for b, bucket in enumerate(self.buckets):
             to_coefficients(gs.tiles, gs.flat_grad, gs.error, gs.dct_q, opt._kernels, decay=cfg.ef_decay,
                             weights=bucket.weights)  # e = decay * e + Q g on these weights' tiles
@@ -151,10 +154,16 @@ class DctOverlap:
         if not self.forward_hooked:
             self.wait_params()
 
-    @torch.no_grad()
     def _apply(self, bucket: DctBucket, all_values: torch.Tensor, all_offsets: torch.Tensor, lr: float,
                wd: float, beta1: float) -> None:
-        """Sum, decode and apply one bucket's received values (step 4 and the update, on its weights)."""
+        """Sum, decode and apply one bucket's received values (step 4 and the update, on its weights),
+        as ``step()`` would: without autograd and outside the forward's autocast (whose lower-precision
+        matmuls would change the decode)."""
+        with torch.no_grad(), torch.autocast(self.gs.error.device.type, enabled=False):
+            self._decode_and_update(bucket, all_values, all_offsets, lr, wd, beta1)
+
+    def _decode_and_update(self, bucket: DctBucket, all_values: torch.Tensor, all_offsets: torch.Tensor, lr: float,
+                           wd: float, beta1: float) -> None:
         gs, cfg, D = self.gs, self.opt.cfg, self.opt.comm.world_size
         mean = torch.zeros(bucket.coef_hi - bucket.coef_lo, dtype=gs.error.dtype, device=gs.error.device)
         add_per_rank(mean, all_values, all_offsets, D, cfg.chunk_size, cfg.k_per_chunk)

@@ -270,6 +270,7 @@ class ScapeAdamS(Optimizer):
         for gs in self._groups or []:
             if gs.overlap is not None and any(id(p) in self._at_step for p in gs.sparse_params):
                 gs.overlap.check_idle("attach_model()")
+                gs.overlap.wait_params()  # what is in flight lands before the group exchanges in step()
                 gs.overlap.remove()
                 gs.overlap = None
         self._install_overlap()

@@ -92,7 +92,9 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
             batches = iter([_batch(step * gas + micro, dp_rank) for micro in range(gas)])
             losses.append(float(engine.train_batch(data_iter=batches)))  # mean over DP and micro-batches
         if overlap:
-            in_backward.append([getattr(o, "started_in_backward", 0) for o in engine.optimizer._overlaps()])
+            # coordinate basis: buckets started in backward; basis dct: buckets waiting for the next forward
+            in_backward.append([o.started_in_backward if hasattr(o, "started_in_backward") else len(o._in_flight)
+                                for o in engine.optimizer._overlaps()])
             engine.optimizer.synchronize()  # read outside a forward: wait for the new values
         params = [p.detach().reshape(-1) for p in engine.module.parameters()]
         dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
@@ -182,7 +184,44 @@ def test_dct_overlap_under_model_parallelism_equals_the_non_overlapped_run(tmp_p
     overlapped = run_ranks(_worker_train, 4, tmp_path / "overlap", tp, pp, 0.99, 8, 1, 0.0, True, dct, 0.0)
     assert [r[0] for r in overlapped] == [r[0] for r in plain], (plain[0][0], overlapped[0][0])
     assert all(dp == 0 and tpb == 0 for _, dp, tpb, _ in overlapped), [r[1:3] for r in overlapped]
-    assert all(groups for *_, in_backward in overlapped for groups in in_backward), "no overlapped group on a rank"
+    # every rank has an overlapped group, and after every step each has buckets waiting for the forward
+    pending = [r[3] for r in overlapped]
+    assert all(groups and all(n > 0 for n in groups) for steps in pending for groups in steps), pending
+
+
+def _worker_module_only_load(rank, world_size, tmp_path):
+    """PP 2 x DP 2 with basis dct and overlap: a module-only load (DeepSpeed loads a PipelineModule
+    layer by layer, past the model's own load_state_dict hook) while updates are in flight must leave
+    the loaded weights, not the updates, in the model."""
+    _set_env(rank)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    import scape_ds
+    from scape_ds.megatron import build_pipeline_gpt, init_model_parallel, model_parallel_seed
+    from scape_ds.models import GPTConfig
+
+    mpu = init_model_parallel(1, 2)
+    config = _ds_config(0.99, 1, 0.0)
+    config["scape"].update(DCT, dct_update="sign", clip_local=1.0, ef_decay=0.999, overlap=True,
+                           bucket_mb=4 * 256 * 4 / 2**20)
+    model = build_pipeline_gpt(GPTConfig(**CFG), PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2), seed=0)
+    model_parallel_seed(0)
+    engine, *_ = scape_ds.initialize(model=model, config=config)
+    dp_rank = mpu.get_data_parallel_rank()
+    for step in range(3):
+        engine.train_batch(data_iter=iter([_batch(step, dp_rank)]))
+        if step == 1:
+            engine.save_checkpoint(os.path.join(tmp_path, "ckpt"))  # waits for what is in flight
+            saved = [p.detach().clone() for p in engine.module.parameters()]
+    pending = sum(len(o._in_flight) for o in engine.optimizer._overlaps())  # step 3's, waiting for a forward
+    engine.load_checkpoint(os.path.join(tmp_path, "ckpt"), load_module_only=True)
+    engine.optimizer.synchronize()
+    return pending, all(torch.equal(a, p.detach()) for a, p in zip(saved, engine.module.parameters()))
+
+
+def test_module_only_load_drops_no_update_onto_the_loaded_weights(tmp_path):
+    for pending, restored in run_ranks(_worker_module_only_load, 4, tmp_path):
+        assert pending > 0 and restored, (pending, restored)
 
 
 def test_overlap_under_tp2_equals_the_non_overlapped_run(tmp_path):
