@@ -12,7 +12,7 @@ from scape_ds.optim import ScapeAdamS
 
 from .harness import run_ranks
 from .models import flat_params, make_batch
-from .test_overlap import _Net, _worker_engine, _worker_resume
+from .test_overlap import _Net, _worker_attach, _worker_engine, _worker_resume
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,18 +102,9 @@ def test_dct_overlap_equals_the_non_overlapped_path(tmp_path, world_size, scape,
         assert unequal == [] and replicas == 0 and bytes_ == 0, (unequal, replicas, bytes_)
 
 
-def _worker_attach(rank, world_size, tmp_path):
-    ref_model, ref = _build(6, DCT, False)
-    model, opt = _build(6, DCT, True)
-    for _ in zip(_train(ref_model, ref, rank, 3), _train(model, opt, rank, 3)):
-        pass
-    # a later attach_model that moves a group's exchange into step() first applies what is in flight
-    opt.attach_model(model, exchange_at_step=[model.b.weight])
-    return torch.equal(flat_params(model), flat_params(ref_model)), opt._groups[0].overlap is None
-
-
 def test_attach_model_applies_the_updates_in_flight_first(tmp_path):
-    assert run_ranks(_worker_attach, 2, tmp_path) == [(True, True)] * 2
+    # a later attach_model that moves a group's exchange into step() first applies what is in flight
+    assert run_ranks(_worker_attach, 2, tmp_path, DCT) == [True, True]
 
 
 def test_dct_overlap_resumes_exactly_mid_run(tmp_path):

@@ -169,6 +169,21 @@ def _worker_resume(rank, world_size, tmp_path, steps, cut, scape=SCAPE):
     return bool(torch.equal(flat_params(resumed), straight))
 
 
+def _worker_attach(rank, world_size, tmp_path, scape=SCAPE):
+    """3 steps, then attach_model moving a group's exchange into step(): True where what was in
+    flight landed first (the parameters are the non-overlapped run's) and the group lost its overlap."""
+    ref_model, ref = _build(6, scape, False, False)
+    model, opt = _build(6, scape, True, True)
+    for _ in zip(_train(ref_model, ref, rank, 3), _train(model, opt, rank, 3)):
+        pass
+    opt.attach_model(model, exchange_at_step=[model.b.weight])
+    return torch.equal(flat_params(model), flat_params(ref_model)) and opt._groups[0].overlap is None
+
+
+def test_attach_model_applies_the_values_in_flight_first(tmp_path):
+    assert run_ranks(_worker_attach, 2, tmp_path) == [True, True]
+
+
 def test_overlap_resumes_exactly_mid_run(tmp_path):
     # the cut falls on a sparse step between refreshes (T = 3: steps 1, 4, 7, 10 refresh)
     assert run_ranks(_worker_resume, 2, tmp_path, 11, 5) == [True, True]
