@@ -32,7 +32,7 @@ from typing import Any
 from .config import parse_scape_config, zero_stage
 from .exchange.refused import refusal_message, refused_settings
 from .optim import AdamS, ScapeAdamS
-from .optim.lookup import is_scape_optimizer, is_scape_stage3, scape_optimizer
+from .optim.lookup import is_scape_optimizer, is_scape_stage3, scape_optimizer, synchronized_optimizer
 
 __all__ = ["initialize", "read_ds_config", "check_block_names", "auto_keys", "scape_optimizer", "is_scape_optimizer",
            "is_scape_stage3", "route_checkpoints", "check_checkpoint_engine", "SCAPE_OPTIMIZERS"]
@@ -308,9 +308,7 @@ def route_checkpoints(engine) -> None:
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         if not load_optimizer_states or load_module_only:  # no optimizer state wanted: DeepSpeed's own
-            opt = scape_optimizer(engine)
-            if opt is not None and hasattr(opt, "synchronize"):
-                opt.synchronize()  # scape.overlap: no update in flight may land on the loaded weights
+            synchronized_optimizer(engine)  # scape.overlap: no update in flight may land on the loaded weights
             return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
                            load_optimizer_states=load_optimizer_states,
                            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

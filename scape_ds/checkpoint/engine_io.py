@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..config import basis_mismatch
 from ..faults import is_peer_lost
-from ..optim.lookup import is_scape_stage3, scape_optimizer
+from ..optim.lookup import is_scape_stage3, scape_optimizer, synchronized_optimizer
 from .files import (
     LATEST,
     atomic_torch_save,
@@ -85,9 +85,7 @@ def save_checkpoint(engine, save_dir: str, step: int | None = None, client_state
     """
     tag = f"global_step{step}" if tag is None else str(tag)
     tag_dir = os.path.join(save_dir, tag)
-    opt = scape_optimizer(engine)
-    if opt is not None and hasattr(opt, "synchronize"):
-        opt.synchronize()  # scape.overlap: the model's new values may still be in flight
+    opt = synchronized_optimizer(engine)  # scape.overlap: the model's new values may still be in flight
     try:
         inspect.unwrap(engine.save_checkpoint)(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
                                                exclude_frozen_parameters=exclude_frozen_parameters)
@@ -161,9 +159,7 @@ def load_checkpoint(engine, load_dir: str, load_module_strict: bool = True) -> t
     problems = check_manifest(tag_dir)  # the same answer on every rank, without communication
     if problems:
         refuse_load(given, problems, load_dir, tag)
-    opt = scape_optimizer(engine)
-    if opt is not None and hasattr(opt, "synchronize"):
-        opt.synchronize()  # scape.overlap: no old value may land on the loaded weights
+    opt = synchronized_optimizer(engine)  # scape.overlap: no old value may land on the loaded weights
     damaged, problems, scape_state, zero3 = check_contents(tag_dir), [], None, None
     zopt = _zero3_optimizer(engine)
     if zopt is not None:  # under ZeRO-3 the SCAPE state is part of DeepSpeed's per-rank optimizer files

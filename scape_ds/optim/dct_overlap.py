@@ -40,7 +40,7 @@ import torch
 
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.core import ValuesInFlight
-from .dct_step import add_per_rank, apply_update, pick_per_rank
+from .dct_step import add_per_rank, all_gather_int16_async, apply_update, pick_per_rank
 
 __all__ = ["DctBucket", "plan_dct_buckets", "DctOverlap"]
 
@@ -70,16 +70,16 @@ def plan_dct_buckets(tiles: TileLayout, numels: tuple[int, ...], padded_numel: i
     Returns:
         Buckets of whole tensors covering [0, N_pad) and [0, tiles.numel) exactly once.
     """
-    buckets, first, n = [], 0, len(numels)
+    buckets, first, size, n = [], 0, 0, len(numels)
     for w in range(n):
-        size = sum(numels[first : w + 1])
+        size += numels[w]  # of the weights first..w
         last = w == n - 1
         if last or size + numels[w + 1] > bucket_numel:
             lo, coef_lo = tiles.offsets[first], tiles.coef_offsets[first]
             hi = padded_numel if last else tiles.offsets[w + 1]
             coef_hi = tiles.numel if last else tiles.coef_offsets[w + 1]
             buckets.append(DctBucket(range(first, w + 1), lo, hi, coef_lo, coef_hi))
-            first = w + 1
+            first, size = w + 1, 0
     return buckets
 
 
@@ -143,12 +143,12 @@ class DctOverlap:
                             weights=bucket.weights)  # e = decay * e + Q g on these weights' tiles
             offsets, values = pick_per_rank(opt._kernels, gs.error[bucket.coef_lo : bucket.coef_hi], C, kc)
             all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k_b,)
-            all_offsets = torch.empty(D * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)  # int16
-            work = _Both(comm.all_gather_async(all_values, values, "grad_ag"),
-                         comm.all_gather_async(all_offsets, offsets.view(torch.uint8), "index_ag"))
+            values_work = comm.all_gather_async(all_values, values, "grad_ag")
+            all_offsets, offsets_work = all_gather_int16_async(comm, offsets)  # (D k_b,) int16
+            work = _Both(values_work, offsets_work)
 
             def apply(bucket=bucket, all_values=all_values, all_offsets=all_offsets):
-                self._apply(bucket, all_values, all_offsets.view(torch.int16), lr, wd, beta1)
+                self._apply(bucket, all_values, all_offsets, lr, wd, beta1)
 
             self._in_flight.start(b, work, apply)
         if not self.forward_hooked:
@@ -159,21 +159,17 @@ class DctOverlap:
         """Sum, decode and apply one bucket's received values (step 4 and the update, on its weights),
         as ``step()`` would: without autograd and outside the forward's autocast (whose lower-precision
         matmuls would change the decode)."""
-        with torch.no_grad(), torch.autocast(self.gs.error.device.type, enabled=False):
-            self._decode_and_update(bucket, all_values, all_offsets, lr, wd, beta1)
-
-    def _decode_and_update(self, bucket: DctBucket, all_values: torch.Tensor, all_offsets: torch.Tensor, lr: float,
-                           wd: float, beta1: float) -> None:
         gs, cfg, D = self.gs, self.opt.cfg, self.opt.comm.world_size
-        mean = torch.zeros(bucket.coef_hi - bucket.coef_lo, dtype=gs.error.dtype, device=gs.error.device)
-        add_per_rank(mean, all_values, all_offsets, D, cfg.chunk_size, cfg.k_per_chunk)
-        mean.div_(D)
-        u = torch.zeros(bucket.hi - bucket.lo, dtype=gs.flat_grad.dtype, device=gs.flat_grad.device)  # (hi - lo,)
-        from_coefficients(gs.tiles, mean, u, gs.dct_q, self.opt._kernels, weights=bucket.weights,
-                          coef_base=bucket.coef_lo, out_base=bucket.lo)
-        parts = [(gs.layout.offsets[w] - bucket.lo, gs.layout.numels[w]) for w in bucket.weights]
-        momentum = None if gs.momentum is None else gs.momentum[bucket.lo : bucket.hi]
-        apply_update(cfg.dct_update, gs.flat_param[bucket.lo : bucket.hi], u, momentum, parts, lr, wd, beta1)
+        with torch.no_grad(), torch.autocast(gs.error.device.type, enabled=False):
+            mean = torch.zeros(bucket.coef_hi - bucket.coef_lo, dtype=gs.error.dtype, device=gs.error.device)
+            add_per_rank(mean, all_values, all_offsets, D, cfg.chunk_size, cfg.k_per_chunk)
+            mean.div_(D)
+            u = torch.zeros(bucket.hi - bucket.lo, dtype=gs.flat_grad.dtype, device=gs.flat_grad.device)  # (hi - lo,)
+            from_coefficients(gs.tiles, mean, u, gs.dct_q, self.opt._kernels, weights=bucket.weights,
+                              coef_base=bucket.coef_lo, out_base=bucket.lo)
+            parts = [(gs.layout.offsets[w] - bucket.lo, gs.layout.numels[w]) for w in bucket.weights]
+            momentum = None if gs.momentum is None else gs.momentum[bucket.lo : bucket.hi]
+            apply_update(cfg.dct_update, gs.flat_param[bucket.lo : bucket.hi], u, momentum, parts, lr, wd, beta1)
 
     def wait_params(self, buckets=None) -> None:
         """Wait for ``buckets`` (default: all in flight) and apply their updates."""

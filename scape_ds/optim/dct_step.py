@@ -42,7 +42,7 @@ from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
 from ..exchange.masks import offsets_to_index
 
 __all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
-           "add_per_rank", "apply_update", "square_norm_fp64"]
+           "add_per_rank", "apply_update", "square_norm_fp64", "all_gather_int16_async"]
 
 
 @dataclass
@@ -138,11 +138,25 @@ def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
-    """All-gather 16-bit offsets as their bytes (gloo has no int16): (n,) -> (D n,) int16."""
+def _int16_as_bytes(comm: Communicator, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit offsets travel as their bytes (gloo has no int16): the (2 D n,) uint8 output of their
+    all-gather and the (2 n,) uint8 view of ``offsets`` to send."""
     out = torch.empty(comm.world_size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)
-    comm.all_gather(out, offsets.contiguous().view(torch.uint8), "index_ag")  # 2 bytes an offset
+    return out, offsets.contiguous().view(torch.uint8)
+
+
+def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
+    """All-gather 16-bit offsets: (n,) -> (D n,) int16."""
+    out, send = _int16_as_bytes(comm, offsets)
+    comm.all_gather(out, send, "index_ag")
     return out.view(torch.int16)
+
+
+def all_gather_int16_async(comm: Communicator, offsets: torch.Tensor):
+    """:func:`_all_gather_int16`, asynchronously: the (D n,) int16 output, valid once the returned
+    handle is waited for, and the handle."""
+    out, send = _int16_as_bytes(comm, offsets)
+    return out.view(torch.int16), comm.all_gather_async(out, send, "index_ag")
 
 
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,

@@ -1,5 +1,5 @@
-"""Which optimizer of an engine is SCAPE's: :func:`scape_optimizer`, :func:`is_scape_optimizer`,
-:func:`is_scape_stage3`.
+"""Which optimizer of an engine is SCAPE's: :func:`scape_optimizer`, :func:`synchronized_optimizer`,
+:func:`is_scape_optimizer`, :func:`is_scape_stage3`.
 
 Below the engine and the checkpoint package, so that both can ask without importing each other.
 ``is_scape_stage3`` looks the ZeRO-3 class up in ``sys.modules`` instead of importing
@@ -12,7 +12,7 @@ import sys
 
 from .scape import ScapeAdamS
 
-__all__ = ["scape_optimizer", "is_scape_optimizer", "is_scape_stage3"]
+__all__ = ["scape_optimizer", "synchronized_optimizer", "is_scape_optimizer", "is_scape_stage3"]
 
 
 def scape_optimizer(engine):
@@ -22,6 +22,15 @@ def scape_optimizer(engine):
     """
     opt = getattr(engine, "optimizer", None)
     return opt if is_scape_optimizer(opt) else None
+
+
+def synchronized_optimizer(engine):
+    """:func:`scape_optimizer`, after it has waited for its collectives in flight (``scape.overlap``'s
+    new values or updates, a refresh's mask): what a save or load of the model's weights needs first."""
+    opt = scape_optimizer(engine)
+    if opt is not None:
+        opt.synchronize()
+    return opt
 
 
 def is_scape_optimizer(opt) -> bool:

@@ -362,11 +362,11 @@ class ScapeAdamS(Optimizer):
         for group, gs in zip(self.param_groups, self._groups):  # coefficients), the dense tensors' mean
             dense_g = self._reduce_dense(gs)
             signal = None
-            if gs.flat_param is not None and gs.overlap is not None:  # applied when the next forward needs it
+            if gs.flat_param is not None:
                 self._attach_grads(gs)
+            if gs.overlap is not None:  # applied when the next forward needs it
                 gs.overlap.start(group)
             elif gs.flat_param is not None:
-                self._attach_grads(gs)
                 sent = None if dense_step else gs.held_mask
                 signal, gs.held_mask = exchange_dct(
                     self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q, mask=cfg.mask,
