@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int, default=DEFAULTS["ranks"])
     ap.add_argument("--lr", type=float, default=None, help="learning rate of every selected run (default: each run's)")
     ap.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"])
+    ap.add_argument("--test-fraction", type=float, default=DEFAULTS["test_fraction"],
+                    help="the end of the corpus held apart (> 0: each run reports its final test loss there)")
     ap.add_argument("--ckpt-interval", type=int, default=DEFAULTS["ckpt_interval"],
                     help="checkpoint every N steps under --out, to resume an interrupted run (0: never)")
     ap.add_argument("--stop-at", type=int, default=None,
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
             else:
                 opts = dict(seed=args.seed, n_layer=args.n_layer, n_embd=args.n_embd, steps=args.steps,
                             ranks=args.ranks, lr=args.lr, val_fraction=args.val_fraction,
+                            test_fraction=args.test_fraction,
                             ckpt_interval=args.ckpt_interval)
                 results = run(expand_runs(args.runs), args.out, force=args.force, stop_at=args.stop_at, **opts)
             if args.no_summary:

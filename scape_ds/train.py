@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-iters", type=int, default=4, help="validation batches per rank")
     p.add_argument("--corpus", default="web", help="bundled corpus name")
     p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--test-fraction", type=float, default=0.0,
+                   help="share of the corpus (its end) held apart; > 0: the final model's loss on every window "
+                        "of it is reported as test loss after the last step")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: megatron when TP or PP > 1")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds a collective waits for a silent peer; then every rank exits 3 with one line")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (log lines only; also when stderr is not a terminal)")
     return p
 
 
@@ -96,6 +100,9 @@ def check_inputs(args) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.dist_timeout > 0 and math.isfinite(args.dist_timeout)):
         raise ValueError(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout:g}")
+    if not 0.0 <= args.test_fraction <= 0.5 - args.val_fraction:
+        raise ValueError(f"--test-fraction must be in [0, 0.5 - --val-fraction = {0.5 - args.val_fraction:g}], got "
+                         f"{args.test_fraction:g}")
     if args.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0 (0: only at the end), got {args.save_interval}")
     cfg = read_ds_config(args.deepspeed_config)
@@ -181,8 +188,11 @@ class TrainSetup:
     """Whether the engine runs a pipeline (``train_batch``/``eval_batch`` instead of forward/backward/step)."""
 
 
-def build_engine(args, cfg: dict, device) -> TrainSetup:
-    """The model and its engine: scape_ds.models.GPT, or megatron-core layers over TP/PP/DP groups."""
+def build_engine(args, cfg: dict, device, make_optimizer: Callable[[Any], Any] | None = None) -> TrainSetup:
+    """The model and its engine: scape_ds.models.GPT, or megatron-core layers over TP/PP/DP groups.
+
+    ``make_optimizer(model)``, if given, builds a client optimizer that DeepSpeed wraps instead of the
+    config's ``optimizer`` block (the config must have none; the GPT model only)."""
     import torch
     import torch.distributed as dist
 
@@ -195,8 +205,11 @@ def build_engine(args, cfg: dict, device) -> TrainSetup:
     if not uses_megatron(args):
         torch.manual_seed(args.seed)
         model = GPT(gcfg).to(device)
-        engine, _, _, _ = scape_ds.initialize(model=model, config=cfg)
+        optimizer = make_optimizer(model) if make_optimizer is not None else None
+        engine, _, _, _ = scape_ds.initialize(model=model, config=cfg, optimizer=optimizer)
         return TrainSetup(engine, model, dist.get_rank(), dist.get_world_size())
+    if make_optimizer is not None:
+        raise ValueError("a client optimizer (make_optimizer) runs with the GPT model only, not megatron-core's")
     from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
 
     mpu = init_model_parallel(tp, pp, zero_stage(cfg))
@@ -239,6 +252,45 @@ def evaluate(setup: TrainSetup, val, args, device) -> float:
     engine.train()
     dist.all_reduce(total, group=setup.dp_group)
     return float(total) / (args.eval_iters * setup.dp_size)
+
+
+def evaluate_split(setup: TrainSetup, data, args, device) -> float:
+    """Mean loss over every non-overlapping window of ``data`` (a held-apart split), the same windows
+    for every run and seed.
+
+    1. Cut ``data`` into windows of ``--seq-len`` + 1 tokens that start every ``--seq-len`` tokens;
+       keep the largest multiple of micro-batch x data-parallel ranks (at most that many minus one
+       are dropped, so every rank runs the same number of batches).
+    2. Rank r evaluates windows r, r + D, r + 2D, ... in micro-batches; the mean of the batch means
+       is all-reduced over the data-parallel group (every batch has the same size).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from scape_ds.comm import collective_device
+
+    engine, micro_bs, dp = setup.engine, setup.engine.train_micro_batch_size_per_gpu(), setup.dp_size
+    n_windows = (data.numel() - 1) // args.seq_len
+    n_batches = n_windows // (micro_bs * dp)
+    if n_batches == 0:
+        raise ValueError(f"--test-fraction: the test split has {n_windows} windows of {args.seq_len} tokens, fewer "
+                         f"than one micro-batch per rank ({micro_bs} x {dp}): raise --test-fraction")
+    starts = torch.arange(n_batches * micro_bs * dp) * args.seq_len  # (W,) int64 window offsets
+    mine = starts[setup.dp_rank::dp].view(n_batches, micro_bs)  # (batches, B) this rank's windows
+    total = torch.zeros(1, dtype=torch.float64, device=collective_device(setup.dp_group))  # NCCL: a CUDA tensor
+    engine.eval()
+    with torch.no_grad():
+        for offsets in mine:
+            window = data[offsets[:, None] + torch.arange(args.seq_len + 1)].long()  # (B, T + 1) int64
+            x, y = window[:, :-1].to(device), window[:, 1:].to(device)  # (B, T), (B, T)
+            if setup.pipeline:
+                loss = engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
+            else:
+                _, loss = engine(x, y)
+            total += float(loss)
+    engine.train()
+    dist.all_reduce(total, group=setup.dp_group)
+    return float(total) / (n_batches * dp)
 
 
 def _train_step(setup: TrainSetup, data, args, step: int, device) -> float:
@@ -315,6 +367,7 @@ def _log_line(record: dict) -> str:
     """The line printed every --log-interval steps and at each validation."""
     sent, dense = record["bytes_sent"], record["bytes_dense"]
     vl = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+    vl += f" | test loss {record['test_loss']:.4f}" if "test_loss" in record else ""
     return (f"step {record['step']:5d} | loss {record['loss']:.4f}{vl} | lr {record['lr']:.2e} | "
             f"{record['tokens_per_s']:,.0f} tokens/s | sent {sent / 1e6:.3f} MB vs dense "
             f"{dense / 1e6:.3f} MB ({sent / max(dense, 1):.1%})")
@@ -344,13 +397,14 @@ def format_summary(summary: dict, losses: list[float]) -> str:
     frac = sent / dense if dense else 0.0
     saved = f"{1 - frac:.1%} saved" if dense else "one rank: nothing to exchange"
     w, first, last = loss_windows(losses)
+    test = f" | test loss {summary['test_loss']:.4f}" if "test_loss" in summary else ""
     return (f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s | loss {first:.3f} (first {w}) -> "
-            f"{last:.3f} (last {w}) | val loss {summary['val_loss']:.4f} | sent {sent / 1e6:.1f} MB of a dense "
+            f"{last:.3f} (last {w}) | val loss {summary['val_loss']:.4f}{test} | sent {sent / 1e6:.1f} MB of a dense "
             f"{dense / 1e6:.1f} MB: {frac:.2%} ({saved})")
 
 
 def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, watch=None, stop=None,
-          on_start: Callable[[Any], None] | None = None) -> dict:
+          on_start: Callable[[Any], None] | None = None, make_optimizer: Callable[[Any], Any] | None = None) -> dict:
     """Train ``args.train_iters`` optimizer steps (from the checkpoint's step with ``--load``).
 
     Needs torch.distributed started (:func:`init_distributed`).
@@ -359,7 +413,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         args: the parsed options (:func:`build_parser`), checked by :func:`check_inputs`.
         cfg: the DeepSpeed config :func:`check_inputs` returned.
         on_step: called as ``on_step(step, engine)`` on every rank after each optimizer step (``step``
-            counts from 1), after that step's record and validation, outside the timed region.
+            counts from 1), outside the timed region and before that step's validation and metrics
+            record: a baseline that completes a step there (the outer step of DiLoCo and SparseLoCo)
+            is evaluated on the model every rank holds after it.
         watch: a :class:`scape_ds.faults.PeerWatch` whose ``phase`` the loop keeps current (step,
             validation, save), for the report of a lost peer.
         stop: a :class:`scape_ds.stop.StopRequest` asked after every step (and before the first)
@@ -368,12 +424,15 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         on_start: called as ``on_start(engine)`` on every rank once the engine is built (and loaded
             with ``--load``), before the first step: a baseline that changes how the engine
             exchanges (the quality bench's DiLoCo) sets itself up there.
+        make_optimizer: builds a client optimizer from the model (:func:`build_engine`); the quality
+            bench's independent DeMo runs through it.
 
     Raises:
         scape_ds.stop.Stopped: the ranks stopped on request (``stop``), after saving with ``--save``.
 
     Returns:
         ``steps`` (of this run), ``final_loss`` (the last step's), ``val_loss`` (the last validation),
+        ``test_loss`` (with ``--test-fraction`` > 0 and a last step in this run: the held-apart split),
         ``bytes_sent`` and ``bytes_dense`` (summed over this run, per rank), ``wall_s``.
     """
     import torch
@@ -381,7 +440,7 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     from tqdm import tqdm
 
     from scape_ds.checkpoint import load_checkpoint, resolve_load, save_checkpoint
-    from scape_ds.data import build_datasets
+    from scape_ds.data import build_splits
     from scape_ds.engine import scape_optimizer
     from scape_ds.faults import PeerWatch, bound_group_timeouts
     from scape_ds.metrics import MetricsWriter
@@ -391,9 +450,9 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
     is_main = rank == 0
     device = torch.device(f"cuda:{args.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
-    train_data, val_data = build_datasets(args.val_fraction, name=args.corpus)
+    train_data, val_data, test_data = build_splits(args.val_fraction, args.test_fraction, name=args.corpus)
     watch = watch or PeerWatch()
-    setup = build_engine(args, cfg, device)
+    setup = build_engine(args, cfg, device, make_optimizer)
     bound_group_timeouts(args.dist_timeout)  # DeepSpeed's and megatron-core's groups: --dist-timeout too
     engine = setup.engine
     opt = scape_optimizer(engine)
@@ -414,10 +473,12 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         print(_describe_run(args, setup, opt, world, tokens_per_step, train_data, val_data), flush=True)
     metrics = MetricsWriter(args.metrics_out if is_main else None, args.tensorboard_dir if is_main else None,
                             append=bool(args.load))
-    bar = tqdm(total=args.train_iters, initial=start, disable=not is_main or args.no_progress, desc="pretrain",
-               dynamic_ncols=True)
+    # a bar only on a terminal: into a file or a pipe its carriage-return updates make one huge line, so
+    # there the log lines (every --log-interval steps) are the progress
+    bar = tqdm(total=args.train_iters, initial=start, desc="pretrain", dynamic_ncols=True,
+               disable=not is_main or args.no_progress or not sys.stderr.isatty())
     sent_total = dense_total = 0
-    losses, val_loss = [], float("nan")
+    losses, val_loss, test_loss = [], float("nan"), None
     t_run = time.perf_counter()
     with metrics:
         if stop is not None and (reason := stop.agreed()):  # asked during start-up: nothing new to save
@@ -441,17 +502,23 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
             record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent,
                           bytes_dense=dense, bytes_inter=inter, bytes_intra=intra,
                           tokens_per_s=tokens_per_step / step_time)
+            if on_step is not None:  # first: a baseline's outer step finishes the step it evaluates
+                on_step(step + 1, engine)
             if (step + 1) % args.eval_interval == 0 or step + 1 == args.train_iters:
                 watch.phase = f"validation at step {step + 1}"
                 val_loss = record["val_loss"] = evaluate(setup, val_data, args, device)
+            if step + 1 == args.train_iters and test_data.numel():
+                watch.phase = f"test at step {step + 1}"
+                test_loss = record["test_loss"] = evaluate_split(setup, test_data, args, device)
             losses.append(mean_loss)
             metrics.write(record)
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.3f}", sent=f"{sent / max(dense, 1):.1%}")
             if is_main and ((step + 1) % args.log_interval == 0 or "val_loss" in record):
-                bar.write(_log_line(record))
-            if on_step is not None:
-                on_step(step + 1, engine)
+                if bar.disable:
+                    print(_log_line(record), flush=True)
+                else:
+                    bar.write(_log_line(record))
             saved = None
             if (args.save and args.save_interval and (step + 1) % args.save_interval == 0
                     and step + 1 != args.train_iters):
@@ -472,6 +539,8 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
         summary = dict(steps=args.train_iters - start, final_loss=losses[-1] if losses else float("nan"),
                        val_loss=val_loss, bytes_sent=sent_total, bytes_dense=dense_total,
                        wall_s=time.perf_counter() - t_run)
+        if test_loss is not None:
+            summary["test_loss"] = test_loss
         if is_main:
             print(format_summary(summary, losses), flush=True)
     return summary

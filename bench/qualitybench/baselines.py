@@ -142,4 +142,8 @@ def build_baseline(spec: dict | None):
         return DiLoCo(**kwargs)
     if kind == "sparseloco":
         return SparseLoCo(**kwargs)
+    if kind == "demo":
+        from .demo import DeMoRun
+
+        return DeMoRun(**kwargs)
     raise ValueError(f"unknown baseline kind {kind!r}")

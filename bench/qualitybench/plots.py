@@ -54,7 +54,7 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
             steps, vals = zip(*curves[rid])
             ax.plot(steps, vals, marker=".", markersize=3, label=rows[rid]["label"] + (
                 f" [{rid.split('__')[1]}]" if "__" in rid else ""))
-        n_layer, n_embd, steps_, seed, ranks, _ = key[0]
+        n_layer, n_embd, steps_, seed, ranks, *_ = key[0]
         ax.set_title(f"{key[1]}: GPT {n_layer}x{n_embd}, {steps_} steps, seed {seed}, {ranks} ranks", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -99,7 +99,7 @@ def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None
             ax.plot(steps, vals, "k--" if c == "dense AdamW" else "-", marker=".", markersize=3,
                     label=f"{c}: lr {_num(r['lr']):g} (best of {len(lrs)}), {_num(r['val_loss']):.4f} = "
                           f"{_num(r['val_loss']) / ref:.3f}x, {_num(r['bytes_frac']):.1%} of bytes")
-        n_layer, n_embd, steps_, seed, ranks, _ = key
+        n_layer, n_embd, steps_, seed, ranks, *_ = key
         ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps_} steps, seed {seed}, {ranks} ranks",
                      fontsize=9)
         ax.set_xlabel("step")
@@ -148,7 +148,7 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
             ax.plot([], [], marker=marker, color=color, linestyle="none", label={"dct": "SCAPE, basis dct",
                        "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo recipe",
                        "local": "DiLoCo, SparseLoCo", "": "dense, other"}[kind])
-        n_layer, n_embd, steps, seed, ranks, _ = key
+        n_layer, n_embd, steps, seed, ranks, *_ = key
         ax.set_xscale("log")
         ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks",
                      fontsize=9)

@@ -109,7 +109,8 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
             "--eval-interval", str(opts["eval_interval"]), "--eval-iters", str(opts["eval_iters"]),
             "--log-interval", str(opts["log_interval"]), "--seq-len", str(opts["seq_len"]),
             "--n-layer", str(opts["n_layer"]), "--n-head", str(opts["n_head"]), "--n-embd", str(opts["n_embd"]),
-            "--val-fraction", str(opts["val_fraction"]), "--metrics-out", metrics, "--no-progress"]
+            "--val-fraction", str(opts["val_fraction"]), "--test-fraction", str(opts["test_fraction"]),
+            "--metrics-out", metrics, "--no-progress"]
     if ckpt:
         argv += ["--save", ckpt, "--save-interval", str(opts["ckpt_interval"])]
     if start:
@@ -122,9 +123,13 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
     if rank == 0:
         print(f"=== {rid}: {RUNS[name][0]}" + (f" (resumed at step {start})" if start else ""), flush=True)
     hook = _Hook(diag, ckpt, opts["ckpt_interval"], end, time.perf_counter(), baseline)
+    if rank == 0 and start == 0:
+        _record_diff(os.path.join(out_dir, f"{rid}.patch"))
     if start < end:
+        train_cfg = baseline.engine_config(cfg) if hasattr(baseline, "engine_config") else cfg
         with ABLATIONS.get(name, contextlib.nullcontext)():
-            pretrain.train(args, cfg, on_step=hook, on_start=baseline.start if baseline is not None else None)
+            pretrain.train(args, train_cfg, on_step=hook, on_start=baseline.start if baseline is not None else None,
+                           make_optimizer=getattr(baseline, "make_optimizer", None))
     else:
         hook.t0 = time.perf_counter()  # nothing left to train: the wall time is the checkpoint's
     if rank == 0 and end == opts["steps"]:
@@ -139,19 +144,41 @@ def _train_one(pretrain, name: str, opts: dict, out_dir: str, rank: int, stop_at
         print(f"{rid}: stopped at step {end} of {opts['steps']}; the same command resumes it", flush=True)
 
 
-def _versions() -> dict:
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout
+
+
+def _record_diff(path: str) -> None:
+    """Write the diff of the working tree against HEAD (tracked files) to ``path``, or remove ``path``
+    when the tree is clean: a ``+dirty`` row names the exact code it ran (its sha256 is in the csv)."""
+    try:
+        diff = _git("diff", "HEAD", "--binary")
+    except (OSError, subprocess.CalledProcessError):
+        diff = ""
+    if diff:
+        _atomic_write(path, diff)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def _versions(patch: str) -> dict:
+    """git revision (``+dirty`` with the sha256 of the run's diff, stored as ``patch`` when it started),
+    torch and DeepSpeed versions."""
+    import hashlib
+
     import deepspeed
     import torch
 
     try:
-        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        rev += "+dirty" if dirty else ""
+        rev = _git("rev-parse", "--short", "HEAD").strip()
     except (OSError, subprocess.CalledProcessError):
         rev = ""
-    return dict(git_rev=rev, torch=torch.__version__, deepspeed=deepspeed.__version__)
+    digest = ""
+    if os.path.exists(patch):
+        rev += "+dirty"
+        with open(patch, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    return dict(git_rev=rev, git_diff_sha256=digest, torch=torch.__version__, deepspeed=deepspeed.__version__)
 
 
 def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnostics, wall_s: float, path: str,
@@ -164,10 +191,11 @@ def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnos
         sent = baseline.bytes_sent(rows)
     summary = dict(run=run_id(name, opts), name=name, label=RUNS[name][0], **describe(name, cfg),
                    n_params=int(diag.p0.numel()), **{k: opts[k] for k in ("n_layer", "n_embd", "steps", "seed", "ranks",
-                                                                          "val_fraction")},
-                   val_loss=rows[-1]["val_loss"], final_loss=rows[-1]["loss"], bytes_sent=sent, bytes_dense=dense,
+                                                                          "val_fraction", "test_fraction")},
+                   val_loss=rows[-1]["val_loss"], test_loss=rows[-1].get("test_loss", ""), final_loss=rows[-1]["loss"],
+                   bytes_sent=sent, bytes_dense=dense,
                    bytes_frac=sent / dense if dense else float("nan"), wall_s=wall_s, **diag.summary(),
-                   **_versions(), command=rerun_command(name, opts), opts=opts)
+                   **_versions(path[:-len(".json")] + ".patch"), command=rerun_command(name, opts), opts=opts)
     _atomic_write(path, json.dumps(summary, indent=2))
 
 

