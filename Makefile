@@ -8,7 +8,7 @@ CONFIG ?= ds_configs/scape_dct.json
 export OMP_NUM_THREADS ?= 1
 
 # `make wheelhouse`: wheels of scape_ds and everything it needs, for compute nodes without a package
-# index (README "Offline install"); for another interpreter or platform give PY_VERSION and PLATFORM.
+# index (docs/install.md, "Offline install"); for another interpreter or platform give PY_VERSION and PLATFORM.
 PY_VERSION ?= 3.11
 PLATFORM ?= manylinux_2_28_x86_64
 WHEELHOUSE ?= wheelhouse

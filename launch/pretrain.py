@@ -23,7 +23,7 @@ scape_ds/train.py (``python -m scape_ds.train`` is the same program). A lost pee
 dead node) ends every rank within --dist-timeout plus a few seconds, exit code 3, with one line naming
 the silent rank and the checkpoint to resume from with --load (scape_ds/faults.py). SIGTERM or
 SIGINT to the `deepspeed` command (or its end) stops every rank after the current step, which is
-saved with --save; one line names the tag, exit code 143 (scape_ds/stop.py). Exit codes: README.md,
+saved with --save; one line names the tag, exit code 143 (scape_ds/stop.py). Exit codes: docs/checkpoints.md,
 "Checkpoints and failure semantics".
 """
 from scape_ds.train import run

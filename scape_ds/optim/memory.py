@@ -5,7 +5,7 @@ Two levels:
     buffers for one param group of ``numel`` sparse-exchanged elements, padding included; a test
     checks it against ``ScapeAdamS.memory_bytes()``.
   * :func:`bytes_per_param` is the per-parameter limit (large N, every tensor sparse-exchanged) for
-    each path and for DeepSpeed's AdamW at the same ZeRO stage: the README's memory table.
+    each path and for DeepSpeed's AdamW at the same ZeRO stage: the memory table in docs/memory.md.
 
 Accounting (p = bytes of a parameter in the compute dtype, e = bytes of an error-feedback value,
 rho = 1 - sparsity, D = data-parallel ranks; activations and transient buffers are not counted):

@@ -25,7 +25,7 @@ this code: ``compressor="topk"`` (mask from |reduced gradient| of the refresh st
 (a seeded random mask), ``"dense"`` (every step dense: sharded dense AdamS).
 
 Memory per rank, for N sparse parameter elements over D ranks (``memory_bytes()``; the formulas and
-the table against AdamW are in ``scape_ds.optim.memory`` and README "Memory"): the parameters and
+the table against AdamW are in ``scape_ds.optim.memory`` and docs/memory.md): the parameters and
 their gradients are views into two flat buffers of N (compute dtype; backward accumulates straight
 into the gradient buffer, as DDP's ``gradient_as_bucket_view``, so there is no staging copy);
 momentum 4*N/D; the fp32 master shard is a view of the flat parameters when they are fp32 (a

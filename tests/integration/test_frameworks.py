@@ -98,7 +98,7 @@ def test_accelerate_zero3_runs_exit_zero_again_and_again():
     """A rank could abort at interpreter exit (SIGABRT, "terminate called without an active exception")
     after training to the end: a gloo worker thread destroying the last all-gather's work needs the GIL
     during finalization. scape_ds.engine.end_at_exit destroys the group accelerate leaves up and then
-    lets go of the GIL for a moment. Each run must exit 0 (README, accelerate: the counts by hand)."""
+    lets go of the GIL for a moment. Each run must exit 0 (docs/frameworks.md, accelerate: the counts by hand)."""
     pytest.importorskip("accelerate")
     codes = []
     for _ in range(ZERO3_EXITS):
