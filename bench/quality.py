@@ -61,7 +61,7 @@ import argparse
 import os
 import sys
 
-from qualitybench.plots import plot, plot_best, plot_loss_vs_bytes
+from qualitybench.plots import plot, plot_best, plot_loss_vs_bytes, plot_seeds
 from qualitybench.runner import run
 from qualitybench.runs import (
     BEST_PNG,
@@ -71,10 +71,22 @@ from qualitybench.runs import (
     GROUPS,
     PLOT_PNG,
     REPO,
+    SEEDS_PNG,
     SUMMARY_CSV,
     expand_runs,
 )
-from qualitybench.tables import add_displacement_ratios, best_table, import_legacy, read_tables, table, write_tables
+from qualitybench.tables import (
+    SEEDS_CSV,
+    add_displacement_ratios,
+    best_table,
+    import_legacy,
+    read_tables,
+    seed_groups,
+    seed_table,
+    table,
+    write_seed_table,
+    write_tables,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,12 +149,18 @@ def main(argv=None) -> int:
     print(table(rows))
     print()
     print(best_table(rows))
+    groups = seed_groups(rows) if args.no_summary else write_seed_table(rows, args.bench_dir)
+    if groups:
+        print()
+        print(seed_table(groups))
     if not args.no_summary:
+        plot_seeds(groups, os.path.join(args.bench_dir, SEEDS_PNG))
         plot(rows, curves, os.path.join(args.bench_dir, PLOT_PNG))
         plot_best(rows, curves, os.path.join(args.bench_dir, BEST_PNG))
         plot_loss_vs_bytes(rows, os.path.join(args.bench_dir, BYTES_PNG))
         print(f"summary: {os.path.join(args.bench_dir, SUMMARY_CSV)}; plots: {os.path.join(args.bench_dir, PLOT_PNG)}, "
-              f"{os.path.join(args.bench_dir, BEST_PNG)}, {os.path.join(args.bench_dir, BYTES_PNG)}")
+              f"{os.path.join(args.bench_dir, BEST_PNG)}, {os.path.join(args.bench_dir, BYTES_PNG)}; seeds: "
+              f"{os.path.join(args.bench_dir, SEEDS_CSV)}, {os.path.join(args.bench_dir, SEEDS_PNG)}")
     return 0
 
 

