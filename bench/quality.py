@@ -49,11 +49,22 @@ screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). T
 rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
 ZeRO-3 (``zero3``): ``z3_99_dense_small`` (``ds_configs/scape_zero3.json``: norms, biases and small tensors
 reduced densely) and ``z3_99_all_sparse`` (the same with every tensor masked, an ablation of the code).
-Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``demo``
-(DeMo's recipe as a config). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and
+Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``dct99_k32``
+(the default at DeMo's 32 coefficients per tile). DeMo (``demos``), independent of scape_ds's optimizers
+(qualitybench/demo.py): ``demo`` (each rank clipped to 1, ``+= grad``, sum / D), ``demo_lrgrad`` (``+= lr *
+grad``), ``demo_noclip``, ``demo_mean`` (mean over the ranks that sent a coefficient). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and
 ``sparseloco_H30``, SparseLoCo, over the dense AdamW run (qualitybench/baselines.py; no checkpoints).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``hier``, ``update_rules``, ``dct``, ``local_sgd``, ``zero3``, ``all``.
+``hier``, ``update_rules``, ``dct``, ``demos``, ``local_sgd``, ``zero3``, ``all``.
+
+Seeds and the held-apart split: ``--test-fraction F`` holds apart the last F of the corpus (validation
+is the ``--val-fraction`` before it, training the rest); each run then reports ``test_loss``, its final
+model's loss on every window of that split, which no lr was chosen by. Runs that differ only by
+``--seed`` (init and data order) are grouped in ``bench/quality_seeds.csv`` and ``quality_seeds.png``:
+mean and [min, max] of the validation and test losses, and the test loss over dense AdamW's at the same
+seed. A run from a tree with uncommitted changes stores its diff as ``<id>.patch`` beside its log and
+the diff's sha256 in the summary row (``git_diff_sha256``); ``git apply`` on the named revision gives
+the code it ran.
 """
 from __future__ import annotations
 

@@ -18,6 +18,11 @@ quantized to 2 bits per value (one fp32 scale per chunk), and keeps the rest in 
 is ``theta_outer -= outer_lr * mean(sent)``. Bytes: the all-gather of each rank's payload (k values
 of 2 bits and k 16-bit offsets per chunk, plus the scale) at each outer step.
 
+Evaluation: the loop runs ``on_step`` (the outer step) before a step's validation, so a validation at
+a multiple of ``H`` (the final one of every bench run: 1500 and 2000 are multiples of 30 and 100) sees
+theta_outer, the same model on every rank; one between outer steps averages the losses of the ranks'
+own local models.
+
 No checkpoints: between outer steps the ranks hold different parameters and DeepSpeed's stage-0
 checkpoint keeps rank 0's alone, so an interrupted DiLoCo run starts over.
 """
