@@ -152,8 +152,8 @@ class ScapeConfig(BaseModel):
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     2.1e-3, 0.7x AdamW's) 0.997x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
-    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3, hierarchy "node"
-    and elastic resume run only there; the recommended setting at ZeRO stage 0/1 is
+    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3 and hierarchy
+    "node" run only there (elastic resume runs in both, at stage 0/1); the recommended setting at ZeRO stage 0/1 is
     ds_configs/scape_dct.json (with ``overlap``: ds_configs/scape_dct_overlap.json)."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"

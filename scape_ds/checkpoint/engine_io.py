@@ -141,7 +141,8 @@ def load_checkpoint(engine, load_dir: str, load_module_strict: bool = True) -> t
 
     A checkpoint saved on another number of data-parallel ranks is re-sharded in memory
     (:mod:`scape_ds.checkpoint.reshard`; every rank reads every old rank's SCAPE file, under ZeRO-3 every old
-    rank's DeepSpeed optimizer file) and the first step after it is a dense refresh.
+    rank's DeepSpeed optimizer file) and, in the coordinate basis, the first step after it is a dense
+    refresh (basis "dct": the error feedback's sum is kept on rank 0 and the masks are chosen as usual).
 
     Returns:
         ``(tag, client_state)``.

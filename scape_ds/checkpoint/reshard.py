@@ -30,6 +30,20 @@ group, from D old :meth:`ScapeAdamS.state_dict` states to new rank r':
 5. Replicated state (dense-exchanged tensors' momenta, hyperparameters, step, config) is taken from
    old rank 0.
 
+Basis "dct" (:func:`_reshard_dct_group`; docs/design.md, "Transform basis"): there is no sharded
+master and the parameters are replicated (DeepSpeed's model file is the truth, as saved). The error
+feedback is a (D S,) buffer of tile coefficients per old rank whose first ``coef_numel`` elements
+are each weight's tiles at the same place whatever D (only the padding tiles after them depend on
+D): their sum over the old ranks, in rank order in fp64, stored once in the buffer's dtype, goes to
+new rank 0 element for element, zeros elsewhere, as in 3. The replicated momentum of ``dct_update``
+"adams"/"signum" (flat parameter layout) or "adams_coef" (coefficients) comes from old rank 0,
+re-padded. ``mask_source "momentum"``'s per-owner first moment ((S,) of the owner's tiles) is
+re-cut like the master in 1 (the old shards concatenated are the whole buffer). Held shared masks
+(``mask_hold``, ``mask_early``, ``mask_source "momentum"``) are dropped: their slots are laid out per
+tile for D ranks (D (kc // D) per tile for the union) over the old tile count; the next step
+chooses a fresh mask (``mask_source "momentum"``: a dense step, which sends the whole error
+feedback, as after any load without a held mask). ``chunk_size`` (the tiles) cannot change.
+
 Cost: the new rank holds every old rank's state at once while it converts (D times one rank's
 state); loading reads every old rank's file.
 """
@@ -102,6 +116,10 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
         raise ValueError(f"the old ranks were saved at different steps: {[sc['step'] for sc in old]}")
     cfg = parse_scape_config(first["config"])
     C = cfg.chunk_size if chunk_size is None else chunk_size
+    if cfg.basis == "dct" and C != cfg.chunk_size:
+        raise ValueError(f"the checkpoint was saved with scape.basis 'dct' and scape.chunk_size {cfg.chunk_size}, "
+                         f"this run has chunk_size {C}: its error feedback is in the coefficients of those tiles "
+                         f"(resume with chunk_size {cfg.chunk_size})")
     groups = []
     for g, saved in enumerate(first["groups"]):
         per_rank = [sc["groups"][g] for sc in old]
@@ -110,6 +128,9 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
             raise ValueError(f"param group {g}: the old ranks disagree on its number of elements")
         new = dict(decay_debt=1.0, active_offsets=None, numel=numel,
                    dense_momenta=[m.clone() for m in saved["dense_momenta"]])
+        if cfg.basis == "dct":
+            groups.append(_reshard_dct_group(per_rank, new, cfg.dct_update, g, rank, world_size, C))
+            continue
         if saved["master"] is None:
             new.update(master=None, momentum=None, error=None, padded_numel=saved["padded_numel"])
             groups.append(new)
@@ -132,9 +153,48 @@ def reshard_scape_state(states: list[dict[str, Any]], rank: int, world_size: int
             new["error"] = torch.zeros(padded, dtype=saved["error"].dtype)  # (D' S',)
         new["padded_numel"] = padded
         groups.append(new)
-    scape = dict(first, rank=rank, world_size=world_size, groups=groups, refresh_next=True,
+    # basis "dct" has no forced refresh (its step ignores refresh_next; a dropped held mask of
+    # mask_source "momentum" makes its next step dense by itself)
+    scape = dict(first, rank=rank, world_size=world_size, groups=groups, refresh_next=cfg.basis != "dct",
                  resharded_from=len(old))
     return dict(param_groups=[dict(g) for g in states[0]["param_groups"]], scape=scape)
+
+
+def _reshard_dct_group(per_rank: list[dict], new: dict, dct_update: str, g: int, rank: int, world_size: int,
+                       C: int) -> dict:
+    """Basis "dct": param group ``g`` of new rank ``rank`` (module docstring) from the old ranks'
+    groups ``per_rank``; ``new`` holds what every basis shares (numel, dense momenta)."""
+    saved, numel = per_rank[0], new["numel"]
+    quantum = world_size * C
+    padded = max(quantum, -(-numel // quantum) * quantum)  # N_pad': FlatLayout at D'
+    new.update(master=None, padded_numel=padded, coef_numel=saved.get("coef_numel"), held_mask=None,
+               coef_momentum=None)
+    if saved["error"] is None:  # no sparse tensors in this group
+        new.update(momentum=None, error=None)
+        return new
+    used = saved.get("coef_numel")
+    if used is None:
+        raise ValueError(f"param group {g} was saved with scape.basis 'dct' by a version that did not record its "
+                         "tiles' coefficient count (coef_numel): resume on the same world size")
+    if any(p["error"].numel() < used for p in per_rank):
+        raise ValueError(f"param group {g}: an old rank's error feedback is shorter than its tiles' "
+                         f"{used} coefficients")
+    coef_padded = max(quantum, -(-used // quantum) * quantum)  # TileLayout.numel at D'
+    dtype = saved["error"].dtype
+    if rank == 0:  # the not-yet-sent coefficients of every old rank, summed once, whole on new rank 0
+        new["error"] = _repad(sum_in_rank_order([p["error"][:used] for p in per_rank]).to(dtype), used, coef_padded)
+    else:
+        new["error"] = torch.zeros(coef_padded, dtype=dtype)
+    # the replicated momentum (the same on every old rank): "adams"/"signum" in the flat parameter
+    # layout (N_pad,), "adams_coef" in coefficients; "sign"/"rms" keep none
+    m = saved["momentum"]
+    new["momentum"] = None if m is None else (_repad(m, used, coef_padded) if dct_update == "adams_coef"
+                                              else _repad(m, numel, padded))
+    if saved.get("coef_momentum") is not None:  # mask_source "momentum": each owner's (S,) of its tiles
+        shard = coef_padded // world_size
+        whole = torch.cat([p["coef_momentum"] for p in per_rank])  # (D S,) the old owners' shards in order
+        new["coef_momentum"] = _repad(whole, used, coef_padded)[rank * shard:(rank + 1) * shard].clone()
+    return new
 
 
 def _check_old_state(state: dict, rank: int, world_size: int) -> dict:
@@ -152,9 +212,6 @@ def _check_old_scape(sc: dict, rank: int, world_size: int) -> dict:
     if rule != "lazy":
         raise ValueError(f"old rank {rank} was saved with scape.update_rule {rule!r}: elastic resume re-shards "
                          "the 'lazy' state only (resume on the same world size)")
-    if config.get("basis", "coordinate") != "coordinate":
-        raise ValueError(f"old rank {rank} was saved with scape.basis {config['basis']!r}: elastic resume re-shards "
-                         "coordinate-basis state only (resume on the same world size)")
     if config.get("reselect_interval", 0):
         raise ValueError(f"old rank {rank} was saved with scape.reselect_interval "
                          f"{config['reselect_interval']}: elastic resume re-shards the state of "
@@ -347,7 +404,13 @@ def _check_old_zero3_state(state: dict, rank: int, world_size: int) -> dict | No
         raise ValueError(f"old rank {rank}'s optimizer state is not a ZeRO-3 state")
     if state.get("ds_zero_partition_groups") is not None:
         raise ValueError("elastic ZeRO-3 resume does not support AutoEP partition groups")
-    return _check_old_scape(state["scape"], rank, world_size) if "scape" in state else None
+    if "scape" not in state:
+        return None
+    basis = state["scape"].get("config", {}).get("basis", "coordinate")
+    if basis != "coordinate":  # path A re-shards basis "dct"; ZeRO-3's state of it is not re-sharded
+        raise ValueError(f"old rank {rank} was saved under ZeRO-3 with scape.basis {basis!r}: elastic ZeRO-3 resume "
+                         "re-shards coordinate-basis state only (resume on the same world size)")
+    return _check_old_scape(state["scape"], rank, world_size)
 
 
 def _check_new_rank(rank: int, world_size: int) -> None:

@@ -6,7 +6,9 @@ zeros inside its last row and column of tiles. A tile X has the coefficients ``Q
 the orthonormal DCT-II matrix of size t (``scipy.fft.dctn(X, norm="ortho")``). The coefficients of
 all tiles lie tile after tile in one flat buffer, each tile a chunk of C = t*t elements, so a chunk
 never straddles two tiles or two weights; the tile count is padded to a multiple of the data-parallel
-size D and shard r is the tiles [r*S/C, (r+1)*S/C): chunks never cross an owner shard.
+size D and shard r is the tiles [r*S/C, (r+1)*S/C): chunks never cross an owner shard. Only that
+padding depends on D: a weight's coefficients lie at the same place whatever D (elastic resume,
+:mod:`scape_ds.checkpoint.reshard`, moves them element for element).
 
 Q is orthonormal and linear, so ``Q(mean_r g_r) = mean_r Q g_r`` and the error-feedback identity
 ``sent + kept == accumulated`` holds coefficient by coefficient. The transform itself is a batched
@@ -72,6 +74,15 @@ class TileLayout:
     @property
     def chunk_size(self) -> int:
         return self.tile * self.tile
+
+    @property
+    def tiles_numel(self) -> int:
+        """The coefficients of the weights' own tiles (``numel`` less the padding tiles): the same at
+        every D, so the first ``tiles_numel`` coefficients mean the same thing at every D."""
+        if not self.tile_grid:
+            return 0
+        (gr, gc), t = self.tile_grid[-1], self.tile
+        return self.coef_offsets[-1] + gr * gc * t * t
 
     @property
     def shard_numel(self) -> int:

@@ -824,6 +824,8 @@ class ScapeAdamS(Optimizer):
                 held_mask=None if gs.held_mask is None else gs.held_mask.state(),
                 coef_momentum=_clone(gs.coef_momentum),
                 numel=gs.layout.numel, padded_numel=gs.layout.padded_numel,
+                # basis "dct": the coefficients of the weights' tiles, without the padding tiles (elastic resume)
+                coef_numel=None if gs.tiles is None else gs.tiles.tiles_numel,
             ))
         param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return dict(param_groups=param_groups, scape=dict(
@@ -836,7 +838,8 @@ class ScapeAdamS(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` on the same data-parallel rank and world size,
         or one re-sharded for this rank by :mod:`scape_ds.checkpoint.reshard` (then the parameters are rebuilt
-        from the loaded master shards, one all-gather, and the next step is a dense refresh).
+        from the loaded master shards, one all-gather, and the next step is a dense refresh; basis "dct"
+        has no master and keeps the parameters as loaded).
 
         Raises:
             ValueError: saved with another world size, rank or parameter layout.
@@ -892,9 +895,10 @@ class ScapeAdamS(Optimizer):
                 gs.active_offsets = gs.active_index = gs.active_local = None
             else:
                 self._set_active(gs, saved["active_offsets"].to(gs.flat_param.device))
-            if sc.get("resharded_from") is not None and gs.flat_param is not None:
+            if sc.get("resharded_from") is not None and gs.master is not None:
                 # the master shards are the truth (the decay debt was settled into them): every
-                # replica takes them, as at the end of a dense step
+                # replica takes them, as at the end of a dense step (basis "dct" has no master: the
+                # replicated parameters DeepSpeed loaded are the truth, as saved)
                 shard = gs.flat_param[gs.layout.shard_slice(self.comm.rank)]  # (S,) view
                 if gs.master.data_ptr() != shard.data_ptr():
                     shard.copy_(gs.master)

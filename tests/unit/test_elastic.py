@@ -446,9 +446,23 @@ def test_update_rule_states_are_refused_in_one_line():
         reshard_scape_state(states, 0, 1)
 
 
-def test_dct_basis_states_are_refused_in_one_line():
+def test_dct_basis_states_without_a_tile_count_or_at_another_chunk_size_are_refused_in_one_line():
+    # basis "dct" is re-sharded (tests/multiprocess/test_elastic_dct.py); what it cannot carry is one line
     states = _old_states(2, steps=1)
     for st in states:
         st["scape"]["config"]["basis"] = "dct"
-    with pytest.raises(ValueError, match="saved with scape.basis 'dct': elastic resume re-shards coordinate"):
+    with pytest.raises(ValueError, match="param group 0 was saved with scape.basis 'dct' by a version that did not "
+                                         r"record its tiles' coefficient count \(coef_numel\)"):
         reshard_scape_state(states, 0, 1)
+    with pytest.raises(ValueError, match="saved with scape.basis 'dct' and scape.chunk_size 16, this run has "
+                                         "chunk_size 64: its error feedback is in the coefficients of those tiles"):
+        reshard_scape_state(states, 0, 1, chunk_size=64)
+
+
+def test_zero3_dct_basis_states_are_refused_in_one_line():
+    states, _ = _z3_states(2)
+    for st in states:
+        st["scape"]["config"] = dict(basis="dct")
+    with pytest.raises(ValueError, match="saved under ZeRO-3 with scape.basis 'dct': elastic ZeRO-3 resume re-shards "
+                                         "coordinate-basis state only"):
+        reshard_zero3_state(states, Z3, 0, 1)
