@@ -296,3 +296,28 @@ def test_full_disk_is_warned_before_step_1_and_the_failed_save_leaves_nothing(tm
     failed = [line for line in proc.stderr.splitlines() if "saving global_step2 in" in line and "failed" in line]
     assert len(failed) == 1 and "the partial global_step2 was removed" in failed[0], out[-3000:]
     assert left == [] and "Traceback" not in out and "frame #" not in out, (left, out[-3000:])
+
+
+def _launch_dct(n: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
+           "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_dct.json", "--no-progress", "--log-interval",
+           "5", "--eval-interval", "100", "--eval-iters", "1", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_launcher_dct_elastic_resume_2_to_1(tmp_path):
+    """ds_configs/scape_dct.json as shipped: saved by 2 ranks, resumed by 1 (the error feedback's sum kept
+    on the one rank), training on from the trained model."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = _launch_dct(2, "--train-iters", "12", "--save", str(ckpt), "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _launch_dct(1, "--train-iters", "18", "--load", str(ckpt), "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 12" in proc.stdout and "| 1 ranks:" in proc.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 19))
+    _learned(rows, 0.5)
+    # the resumed run goes on from the trained model, not a fresh one (ln 256 = 5.55 at step 1)
+    assert rows[12]["loss"] < rows[0]["loss"] - 0.5, (rows[0]["loss"], rows[12]["loss"])
+    assert all(r["bytes_sent"] == 0 for r in rows[12:])  # one rank: nothing to exchange
