@@ -135,6 +135,7 @@ RUNS: dict[str, tuple] = {
     "demo_lrgrad": ("DeMo: top-32, += lr * grad, sum / D, clip 1", "dense_adamw.json", {}),
     "demo_noclip": ("DeMo: top-32, += grad, sum / D, no clip", "dense_adamw.json", {}),
     "demo_mean": ("DeMo: top-32, += grad, mean over senders, clip 1", "dense_adamw.json", {}),
+    "demo_noclip_lrgrad": ("DeMo: top-32, += lr * grad, sum / D, no clip", "dense_adamw.json", {}),
 }
 def _zero3_every_tensor_sparse():
     """ZeRO-3 as it was before small tensors went dense (every tensor masked, with error feedback)."""
@@ -154,6 +155,7 @@ BASELINES: dict[str, dict] = {
     "demo_lrgrad": dict(kind="demo", accumulate="lr_grad", average="sum", clip=1.0),
     "demo_noclip": dict(kind="demo", accumulate="grad", average="sum", clip=0.0),
     "demo_mean": dict(kind="demo", accumulate="grad", average="mean", clip=1.0),
+    "demo_noclip_lrgrad": dict(kind="demo", accumulate="lr_grad", average="sum", clip=0.0),
 }
 COMPARISON = ["adamw", "adams", "scape90", "scape99", "topk99", "scape99_sparse"]
 SWEEP = ["scape99_T10", "scape99_T50", "scape99_T200", "scape99_sparse_T1", "scape99_sparse_T10"]
