@@ -52,8 +52,9 @@ reduced densely) and ``z3_99_all_sparse`` (the same with every tensor masked, an
 Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``dct99_k32``
 (the default at DeMo's 32 coefficients per tile). DeMo (``demos``), independent of scape_ds's optimizers
 (qualitybench/demo.py): ``demo`` (each rank clipped to 1, ``+= grad``, sum / D), ``demo_lrgrad`` (``+= lr *
-grad``), ``demo_noclip``, ``demo_mean`` (mean over the ranks that sent a coefficient). Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and
-``sparseloco_H30``, SparseLoCo, over the dense AdamW run (qualitybench/baselines.py; no checkpoints).
+grad``), ``demo_noclip``, ``demo_mean`` (mean over the ranks that sent a coefficient), ``demo_noclip_lrgrad``.
+Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and ``sparseloco_H30``, SparseLoCo, over
+the dense AdamW run (qualitybench/baselines.py; no checkpoints).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
 ``hier``, ``update_rules``, ``dct``, ``demos``, ``local_sgd``, ``zero3``, ``all``.
 

@@ -3,7 +3,9 @@
 Commands (on CPU ``--num_processes`` is the number of ranks; nothing is downloaded)::
 
     accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/accelerate_scape.json \\
-        --num_processes 2 examples/accelerate_scape.py                       # ZeRO stage 0/1
+        --num_processes 2 examples/accelerate_scape.py                       # ZeRO stage 0/1, basis dct
+    accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/accelerate_scape_coordinate.json \
+        --num_processes 2 examples/accelerate_scape.py                       # stage 0/1, coordinate basis
     accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/accelerate_scape_zero3.json \\
         --num_processes 2 examples/accelerate_scape.py                       # SCAPE's ZeRO-3
 

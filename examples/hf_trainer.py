@@ -2,7 +2,8 @@
 
 Commands (on CPU ``--num_gpus`` is the number of ranks; nothing is downloaded)::
 
-    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape.json
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape.json  # basis dct
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_coordinate.json
     deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_zero3.json
 
 Save and resume (the Trainer's ``save_strategy="steps"`` and ``resume_from_checkpoint``)::
@@ -11,10 +12,13 @@ Save and resume (the Trainer's ``save_strategy="steps"`` and ``resume_from_check
     deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --resume runs/hf/checkpoint-5 \
         --output-dir runs/hf
 
-(``--master_port``: any free port, so that the job runs beside another one; ZeRO stage 0/1 is the
-default config.) With ``--save-steps`` or ``--resume`` every rank prints a ``scape_state`` line at
-each save, after the resume's load and at the end: digests of its optimizer state (SCAPE's master
-and momentum shards, error feedback, masks, step) and parameters
+(``--master_port``: any free port, so that the job runs beside another one; ZeRO stage 0/1 in basis
+"dct", ``hf_scape.json``, is the default config; ``hf_scape_coordinate.json`` is it in the coordinate
+basis, ``hf_scape_zero3.json`` SCAPE's ZeRO-3, coordinate basis. ``"overlap": true`` in basis "dct"
+needs ``"gradient_clipping": 0`` and ``--max-grad-norm 0``.) With ``--save-steps`` or ``--resume``
+every rank prints a ``scape_state`` line at each save, after the resume's load and at the end:
+digests of its optimizer state (SCAPE's master and momentum shards, error feedback, masks, step; in
+basis "dct" the error feedback in coefficients and the step) and parameters
 (:func:`scape_ds.integrations.state_digest`); a resume that restores exactly what was saved prints
 the same digests after its load as the first run printed at its save.
 
@@ -127,6 +131,9 @@ def main() -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="TrainingArguments.max_grad_norm, the config's \"auto\" gradient_clipping; 0: no clipping "
+                        "(scape.overlap in basis dct needs 0)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--output-dir", default="runs/hf_trainer")
@@ -145,7 +152,7 @@ def main() -> None:
     targs = TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=2,
-        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to="none", seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), disable_tqdm=True)

@@ -2,8 +2,9 @@
 
 Commands (Lightning starts the other ranks itself; nothing is downloaded)::
 
-    python examples/lightning_scape.py --config ds_configs/scape.json          # ZeRO stage 0/1
-    python examples/lightning_scape.py --config ds_configs/scape_zero3.json    # SCAPE's ZeRO-3
+    python examples/lightning_scape.py --config ds_configs/scape_dct.json      # ZeRO stage 0/1, basis dct
+    python examples/lightning_scape.py --config ds_configs/scape.json          # stage 0/1, coordinate basis
+    python examples/lightning_scape.py --config ds_configs/scape_zero3.json    # SCAPE's ZeRO-3 (coordinate)
     python examples/lightning_scape.py --resume runs/lightning/step=4.ckpt     # resume after step 4
     python examples/lightning_scape.py --accelerator gpu --devices 8           # on GPUs
 
@@ -85,7 +86,7 @@ class ScapeReport(L.Callback):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="ds_configs/scape.json", help="DeepSpeed JSON config with a scape block")
+    p.add_argument("--config", default="ds_configs/scape_dct.json", help="DeepSpeed JSON config with a scape block")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--devices", type=int, default=2, help="ranks")
     p.add_argument("--max-steps", type=int, default=8)

@@ -12,6 +12,8 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the o
         --tensor-model-parallel-size 2            # TP2 x DP2, megatron-core layers, SCAPE over DP
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
         --pipeline-model-parallel-size 2          # PP2 x DP2, DeepSpeed's PipelineEngine
+    # scape_mpi.json, scape_megatron.json: basis "dct" (scape_dct.json's exchange); their
+    # *_coordinate.json twins and scape.json: the coordinate basis
     deepspeed --hostfile hosts --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/scape.json
 
 Steps: parse and check every input (config, corpus, --load) before any process group exists, so

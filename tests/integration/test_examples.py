@@ -1,8 +1,10 @@
 """examples/hf_trainer.py and examples/hf_gpt2_script.py through the `deepspeed` launcher on 2 CPU ranks.
 
 Each example prints one ``scape_step {json}`` line per step on rank 0: loss, the optimizer's class,
-bytes SCAPE sent and the dense exchange's bytes. 10 steps: the first is a dense refresh, the other
-nine sparse at sparsity 0.99.
+bytes SCAPE sent and the dense exchange's bytes. 10 steps at sparsity 0.99: in the coordinate basis
+(``hf_scape_coordinate.json``, ``hf_scape_zero3.json``, ``scape.json``) the first is a dense refresh
+and the other nine sparse; in basis "dct" (``hf_scape.json``, the exchange of ``scape_dct.json``) all
+ten are sparse.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def _run_example(script, *args):
 
 
 def _check_scape_run(rows, optimizer):
+    """A coordinate-basis run: the first step a dense refresh, the other nine sparse, the loss falling."""
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
     assert {r["optimizer"] for r in rows} == {optimizer}
     first = sum(r["loss"] for r in rows[:3]) / 3
@@ -46,37 +49,59 @@ def _check_scape_run(rows, optimizer):
         (r["bytes_sent"], r["bytes_dense"]) for r in sparse]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("config,optimizer", [
-    ("ds_configs/hf_scape.json", "ScapeAdamS"),  # ZeRO stage 0/1: SCAPE shards the state itself
-    ("ds_configs/hf_scape_zero3.json", "ScapeStage3"),  # DeepSpeed's stage 3 with SCAPE's exchange
-])
-def test_hf_trainer_example_trains_with_scape(config, optimizer, tmp_path):
-    rows = _run_example("examples/hf_trainer.py", "--deepspeed", config, "--max-steps", str(STEPS),
-                        "--output-dir", str(tmp_path / "out"))
-    _check_scape_run(rows, optimizer)
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("scape", [
-    # ds_configs/scape_dct.json's exchange: every step sends this step's top coefficients, none is dense
-    dict(basis="dct", mask="per_rank", sparsity=0.99, clip_local=1.0, ef_decay=0.999),
-    dict(overlap=True),  # scape.overlap: the Trainer's backward and forward hooked, its accumulation boundary
-])
-def test_hf_trainer_example_with_the_dct_basis_and_overlap(scape, tmp_path):
-    with open(os.path.join(REPO, "ds_configs", "hf_scape.json")) as f:
-        cfg = json.load(f)
-    cfg["scape"].update(scape)
-    config = tmp_path / "hf.json"
-    config.write_text(json.dumps(cfg))
-    rows = _run_example("examples/hf_trainer.py", "--deepspeed", str(config), "--max-steps", str(STEPS),
-                        "--output-dir", str(tmp_path / "out"))
-    if scape.get("basis") != "dct":
-        _check_scape_run(rows, "ScapeAdamS")
-        return
+def _check_dct_run(rows):
+    """A basis "dct" run: every step sends this step's top coefficients, none is dense; the loss falls."""
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and {r["optimizer"] for r in rows} == {"ScapeAdamS"}
     assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3]) - 0.3, rows
     assert all(0 < r["bytes_sent"] < 0.05 * r["bytes_dense"] for r in rows), rows
+
+
+def _basis(config) -> str:
+    with open(os.path.join(REPO, config)) as f:
+        return json.load(f)["scape"].get("basis", "coordinate")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("config,optimizer,basis", [
+    ("ds_configs/hf_scape.json", "ScapeAdamS", "dct"),  # ZeRO stage 0/1 in the recommended basis
+    ("ds_configs/hf_scape_coordinate.json", "ScapeAdamS", "coordinate"),  # the same in SCAPE's coordinate basis
+    ("ds_configs/hf_scape_zero3.json", "ScapeStage3", "coordinate"),  # DeepSpeed's stage 3 with SCAPE's exchange
+])
+def test_hf_trainer_example_trains_with_scape(config, optimizer, basis, tmp_path):
+    assert _basis(config) == basis  # the shipped config is in the basis this case checks
+    rows = _run_example("examples/hf_trainer.py", "--deepspeed", config, "--max-steps", str(STEPS),
+                        "--output-dir", str(tmp_path / "out"))
+    if basis == "dct":
+        _check_dct_run(rows)
+    else:
+        _check_scape_run(rows, optimizer)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("base,edits", [
+    # scape.overlap in the coordinate basis: the Trainer's backward and forward hooked, its accumulation boundary
+    pytest.param("hf_scape_coordinate.json", dict(overlap=True), id="coordinate"),
+    # basis "dct" with overlap (ds_configs/scape_dct_overlap.json's exchange): the update under the next
+    # forward; it refuses gradient_clipping > 0, so the config and the Trainer's max_grad_norm say 0
+    pytest.param("hf_scape.json", dict(overlap=True, gradient_clipping=0.0), id="dct"),
+])
+def test_hf_trainer_example_with_overlap(base, edits, tmp_path):
+    with open(os.path.join(REPO, "ds_configs", base)) as f:
+        cfg = json.load(f)
+    edits = dict(edits)
+    args = []
+    if "gradient_clipping" in edits:
+        cfg["gradient_clipping"] = edits.pop("gradient_clipping")
+        args = ["--max-grad-norm", str(cfg["gradient_clipping"])]
+    cfg["scape"].update(edits)
+    config = tmp_path / "hf.json"
+    config.write_text(json.dumps(cfg))
+    rows = _run_example("examples/hf_trainer.py", "--deepspeed", str(config), "--max-steps", str(STEPS),
+                        "--output-dir", str(tmp_path / "out"), *args)
+    if cfg["scape"].get("basis") == "dct":
+        _check_dct_run(rows)
+    else:
+        _check_scape_run(rows, "ScapeAdamS")
 
 
 @pytest.mark.timeout(900)

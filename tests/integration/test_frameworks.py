@@ -36,32 +36,44 @@ def _run(cmd: list[str], timeout: int = 600) -> tuple[list[dict], dict]:
     return rows, finals[0]
 
 
-def _check_sparse(rows: list[dict], optimizer: str) -> None:
+def _basis(config: str) -> str:
+    with open(os.path.join(REPO, config), encoding="utf-8") as f:
+        return json.load(f)["scape"].get("basis", "coordinate")
+
+
+def _check_sparse(rows: list[dict], optimizer: str, basis: str) -> None:
     assert {r["optimizer"] for r in rows} == {optimizer}
-    assert all(0 < r["bytes_sent"] < 0.05 * r["bytes_dense"] for r in rows if r["step"] > 1), rows
+    # basis "dct": every step sends this step's top coefficients; coordinate: step 1 is a dense refresh
+    sparse = rows if basis == "dct" else [r for r in rows if r["step"] > 1]
+    assert sparse and all(0 < r["bytes_sent"] < 0.05 * r["bytes_dense"] for r in sparse), rows
 
 
 # ---------------------------------------------------------------------------------------------- Lightning
-def _stage1_config(tmp_path) -> str:
-    with open(os.path.join(REPO, "ds_configs", "scape.json"), encoding="utf-8") as f:
+def _stage1_config(tmp_path, name: str) -> str:
+    with open(os.path.join(REPO, "ds_configs", name), encoding="utf-8") as f:
         cfg = json.load(f)
     cfg["zero_optimization"] = {"stage": 1}
-    path = tmp_path / "scape_stage1.json"
+    path = tmp_path / name.replace(".json", "_stage1.json")
     path.write_text(json.dumps(cfg))
     return str(path)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config,optimizer", [("stage1", "ScapeAdamS"), ("ds_configs/scape_zero3.json", "ScapeStage3")])
-def test_lightning_example_trains_and_resumes_exactly(tmp_path, config, optimizer):
+@pytest.mark.parametrize("config,optimizer,basis", [
+    ("scape_dct.json", "ScapeAdamS", "dct"),  # the example's default config, given a stage 1 block
+    ("scape.json", "ScapeAdamS", "coordinate"),  # stage 1, SCAPE's coordinate basis
+    ("ds_configs/scape_zero3.json", "ScapeStage3", "coordinate"),
+])
+def test_lightning_example_trains_and_resumes_exactly(tmp_path, config, optimizer, basis):
     pytest.importorskip("lightning")
-    config = _stage1_config(tmp_path) if config == "stage1" else config
+    config = config if config.startswith("ds_configs/") else _stage1_config(tmp_path, config)
+    assert _basis(config) == basis
     script = [sys.executable, "examples/lightning_scape.py", "--config", config, "--devices", "2", "--max-steps", "8",
               "--epoch-steps", "4"]
     rows, final = _run(script + ["--out", str(tmp_path / "straight")])
     assert [r["step"] for r in rows] == list(range(1, 9)) and final["replicas_equal"], (rows, final)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows
-    _check_sparse(rows, optimizer)
+    _check_sparse(rows, optimizer, basis)
     # a checkpoint after step 4 (every rank's SCAPE state); the resumed run repeats steps 5-8 bit for bit
     resumed, again = _run(script + ["--out", str(tmp_path / "resumed"), "--resume",
                                     str(tmp_path / "straight" / "step=4.ckpt")])
@@ -77,14 +89,18 @@ def _accelerate(config: str, *args: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config,optimizer", [("ds_configs/accelerate_scape.json", "ScapeAdamS"),
-                                              ("ds_configs/accelerate_scape_zero3.json", "ScapeStage3")])
-def test_accelerate_example_trains_with_the_shipped_config(config, optimizer):
+@pytest.mark.parametrize("config,optimizer,basis", [
+    ("ds_configs/accelerate_scape.json", "ScapeAdamS", "dct"),  # stage 0/1, the recommended exchange
+    ("ds_configs/accelerate_scape_coordinate.json", "ScapeAdamS", "coordinate"),
+    ("ds_configs/accelerate_scape_zero3.json", "ScapeStage3", "coordinate"),
+])
+def test_accelerate_example_trains_with_the_shipped_config(config, optimizer, basis):
     pytest.importorskip("accelerate")
+    assert _basis(config) == basis  # the shipped config is in the basis this case checks
     rows, final = _run(_accelerate(config, "--steps", "10"))
     assert [r["step"] for r in rows] == list(range(1, 11)), rows
     assert sum(r["loss"] for r in rows[-3:]) / 3 < sum(r["loss"] for r in rows[:3]) / 3 - 0.3, rows
-    _check_sparse(rows, optimizer)
+    _check_sparse(rows, optimizer, basis)
     # every rank holds the same parameters, and each read its own share of the data, also where
     # accelerate counts one process per rank (CPU: accelerate_processes 1 of 2 ranks)
     assert final["replicas_equal"] and final["shards_disjoint"] and final["ranks"] == 2, final

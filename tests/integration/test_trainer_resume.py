@@ -6,12 +6,15 @@ trains to step 5. With ``--save-steps``/``--resume`` the example prints, on ever
 (sha256) of each leaf of its optimizer's ``state_dict()`` and of each parameter
 (:func:`scape_ds.integrations.state_digest`) at the save, right after the resume's load and at the
 end. Equal digests are bitwise equal state: the SCAPE master and momentum shards, error feedback,
-masks and step of every rank, and the parameters. ``mask_refresh_interval`` 3 makes step 4, the
-first after the resume, a dense refresh, which settles the weight decay owed by the masked steps
-(the mask of step 3 must survive the load as an index).
+masks and step of every rank, and the parameters. In the coordinate basis ``mask_refresh_interval`` 3
+makes step 4, the first after the resume, a dense refresh, which settles the weight decay owed by
+the masked steps (the mask of step 3 must survive the load as an index). In basis "dct"
+(``hf_scape.json``) each rank's state is its error feedback in DCT coefficients (no master or
+momentum with ``dct_update`` "sign") and every step is sparse.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -46,16 +49,25 @@ def _digests(stdout: str) -> dict[tuple[int, str, int], dict[str, str]]:
     return {(r["rank"], r["when"], r["step"]): r["digest"] for r in rows}
 
 
+def _digest_of(value) -> str:
+    """state_digest's digest of a number, string or None (its repr's)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+
 def _differ(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("config,scape_keys", [
-    # ZeRO stage 0/1: ScapeAdamS shards its own state; one scape_dp_rank_<r>.pt per rank in the tag
-    ("ds_configs/hf_scape.json", ("optimizer/scape/groups/0/master", "optimizer/scape/groups/0/momentum",
-                                  "optimizer/scape/groups/0/error", "optimizer/scape/groups/0/active_offsets",
-                                  "optimizer/scape/step")),
+    # ZeRO stage 0/1 in basis "dct": every rank's error feedback in coefficients (its own gradients')
+    # and the step; one scape_dp_rank_<r>.pt per rank in the tag
+    ("ds_configs/hf_scape.json", ("optimizer/scape/groups/0/error", "optimizer/scape/step",
+                                  "optimizer/scape/config/basis")),
+    # ZeRO stage 0/1 in the coordinate basis: ScapeAdamS shards its own master and momentum
+    ("ds_configs/hf_scape_coordinate.json", ("optimizer/scape/groups/0/master", "optimizer/scape/groups/0/momentum",
+                                             "optimizer/scape/groups/0/error",
+                                             "optimizer/scape/groups/0/active_offsets", "optimizer/scape/step")),
     # SCAPE's ZeRO-3: the state is in DeepSpeed's per-rank optimizer files
     ("ds_configs/hf_scape_zero3.json", ("optimizer/fp32_flat_groups/0",
                                         "optimizer/optimizer_state_dict/state/0/momentum",
@@ -64,7 +76,9 @@ def _differ(a: dict, b: dict) -> list[str]:
 def test_trainer_resume_restores_every_ranks_state_exactly(config, scape_keys, tmp_path):
     with open(os.path.join(REPO, config)) as f:
         cfg = json.load(f)
-    cfg["scape"]["mask_refresh_interval"] = SAVE_AT  # steps 1 and 4 dense: the first after the resume
+    dct = cfg["scape"].get("basis") == "dct"
+    if not dct:
+        cfg["scape"]["mask_refresh_interval"] = SAVE_AT  # steps 1 and 4 dense: the first after the resume
     config_path = str(tmp_path / "config.json")
     with open(config_path, "w") as f:
         json.dump(cfg, f)
@@ -78,8 +92,17 @@ def test_trainer_resume_restores_every_ranks_state_exactly(config, scape_keys, t
     for rank in (0, 1):
         saved, loaded = straight[(rank, "saved", SAVE_AT)], resumed[(rank, "loaded", SAVE_AT)]
         assert set(scape_keys) <= set(saved), sorted(saved)
+        if dct:  # the state is the coefficients' error feedback: no sharded master or momentum ("sign")
+            assert saved["optimizer/scape/config/basis"] == _digest_of("dct"), sorted(saved)
+            assert saved["optimizer/scape/groups/0/master"] == _digest_of(None)
+            assert saved["optimizer/scape/groups/0/error"] != _digest_of(None)
         assert _differ(saved, loaded) == [], f"rank {rank}: loaded state differs from the saved one"
-        # and the two steps after the resume (a dense refresh, then a masked step) are the same steps
+        # and the two steps after the resume (coordinate: a dense refresh, then a masked step) are the same
         end_a, end_b = straight[(rank, "end", STEPS)], resumed[(rank, "end", STEPS)]
         assert _differ(end_a, end_b) == [], f"rank {rank}: the resumed run ends elsewhere"
     assert straight[(0, "saved", SAVE_AT)] != straight[(1, "saved", SAVE_AT)]  # each rank has a state of its own
+    if dct:  # each rank's error feedback is of its own gradients; the parameters are one replica on both
+        a, b = straight[(0, "saved", SAVE_AT)], straight[(1, "saved", SAVE_AT)]
+        assert a["optimizer/scape/groups/0/error"] != b["optimizer/scape/groups/0/error"]
+        params = [k for k in a if k.startswith("params/")]
+        assert params and [a[k] for k in params] == [b[k] for k in params]

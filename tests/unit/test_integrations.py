@@ -114,7 +114,7 @@ def test_auto_values_left_are_one_error():
         scape_ds.initialize(model=torch.nn.Linear(2, 2), config=cfg)
 
 
-@pytest.mark.parametrize("name", ["hf_scape.json", "hf_scape_zero3.json"])
+@pytest.mark.parametrize("name", ["hf_scape.json", "hf_scape_coordinate.json", "hf_scape_zero3.json"])
 def test_hf_configs_are_valid_once_filled(name):
     """What HF fills (numbers for every "auto") leaves a config scape_ds accepts."""
     with open(os.path.join(REPO, "ds_configs", name)) as f:
