@@ -107,7 +107,9 @@ class ScapeConfig(BaseModel):
 
     param_exchange: Literal["dense", "sparse_replica"] = "dense"
     """ZeRO-3 only: ``dense`` keeps ZeRO-3's own parameter all-gather; ``sparse_replica`` keeps a
-    compute-dtype replica on every rank patched by a sparse all-gather of new values."""
+    compute-dtype replica on every rank patched by a sparse all-gather of new values (basis "dct": moved
+    by the decoded mean on every rank alike, no all-gather but the dense tensors'; fp32, ``dct_update``
+    "sign" or "rms")."""
 
     comm_backend: Literal["torch", "mpi"] = "torch"
     """Collectives through torch.distributed (gloo/NCCL) or mpi4py."""
@@ -146,14 +148,16 @@ class ScapeConfig(BaseModel):
     zeros inside their last tile), error feedback per rank in coefficients, a fresh mask every step
     (``mask``), and an update formed in real space from the decoded sparse mean (``dct_update``): every
     parameter moves every step although only k coefficients per tile travel (docs/design.md, "Transform
-    basis"). Stage 0/1, ``hierarchy "flat"`` only; ``mask_refresh_interval`` and ``dense_refresh`` apply
+    basis"). ZeRO stage 0/1 and 3 (tiles over each parameter's full shape: docs/design.md, "Path B"),
+    ``hierarchy "flat"`` only; ``mask_refresh_interval`` and ``dense_refresh`` apply
     only to ``mask_source "momentum"``. bench/RESULTS.md ("SCAPE in the DCT basis"): at sparsity 0.99
     with ds_configs/scape_dct.json (per_rank, sign, clip_local 1, ef_decay 0.999) 0.996x dense AdamW's
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     2.1e-3, 0.7x AdamW's) 0.997x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
-    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3 and hierarchy
-    "node" run only there (elastic resume runs in both, at stage 0/1); the recommended setting at ZeRO stage 0/1 is
+    than the coordinate basis's 1.021x. The default stays "coordinate" because hierarchy "node" and
+    ZeRO-3's elastic resume run only there (ZeRO-3 and stage 0/1's elastic resume run in both); the
+    recommended setting at ZeRO stage 0/1 is
     ds_configs/scape_dct.json (with ``overlap``: ds_configs/scape_dct_overlap.json)."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"

@@ -27,6 +27,14 @@ arithmetic in :mod:`scape_ds.exchange.pieces`. It changes three things:
 3. **The optimizer on the flat fp32 partitions** (:class:`Stage3AdamS`) applies AdamS at the
    mask only on sparse steps, everywhere on dense ones.
 
+Basis "dct" (``scape.basis``) replaces 1-3 with stage 0/1's DCT exchange over each parameter's full
+shape (:class:`~scape_ds.optim.stage3_dct.Stage3DctExchange`, whose docstring numbers the steps): the
+hook only accumulates each full local gradient and hands ZeRO-3 zeros; ``step()`` clips locally,
+reduce-scatters the dense tensors, exchanges and decodes the coefficients into u (the same on every
+rank), writes u's slice at each of this rank's pieces into ZeRO-3's gradient partitions (so
+``gradient_clipping`` sees the norm stage 0/1 clips by), and ``Stage3AdamS`` moves each piece by
+``dct_update`` (``rules``). ``sparse_replica`` then moves every full copy by the same u.
+
 Parameter exchange (``scape.param_exchange``):
 
 - ``"dense"``: ZeRO-3's own. The updated fp32 partition is copied into the compute-dtype partition
@@ -50,6 +58,7 @@ import functools
 import inspect
 import re
 import sys
+from typing import Callable
 
 import deepspeed
 import torch
@@ -65,6 +74,7 @@ from .exchange.refused import refusal_message, refused_settings
 from .exchange.stage3 import Stage3Exchange
 from .kernels import get_kernels
 from .optim.adams import check_adams_hyperparameters
+from .optim.stage3_dct import Stage3DctExchange, dct_stage3_refusal
 
 __all__ = ["ScapeStage3", "Stage3AdamS", "scape_stage3_class", "check_stage3_config", "check_deepspeed_internals",
            "replica_zero_config", "zero3_layout"]
@@ -107,10 +117,15 @@ def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
     if scape.update_rule != "lazy":
         raise ValueError(f"scape.update_rule {scape.update_rule!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS), or update_rule 'lazy' under stage 3")
-    if scape.basis != "coordinate":
-        raise ValueError(f"scape.basis {scape.basis!r} is not built for ZeRO stage 3 (its flat partitions cut weight "
-                         f"matrices across ranks, so 2-D tiles would straddle them): use ZeRO stage 0/1 (ScapeAdamS), "
-                         f"or basis 'coordinate' under stage 3")
+    if scape.basis == "dct":  # tiles follow each parameter's full shape (scape_ds/optim/stage3_dct.py)
+        bf16 = bool((cfg.get("bf16") or {}).get("enabled") or (cfg.get("bfloat16") or {}).get("enabled"))
+        refusal = dct_stage3_refusal(scape, bf16)
+        if refusal:
+            raise ValueError(refusal)
+    elif scape.clip_local:
+        raise ValueError("scape.clip_local is not built for the coordinate basis under ZeRO stage 3 (its gradients "
+                         "leave in backward, bucket by bucket, before the whole local norm is known): use basis "
+                         "'dct', ZeRO stage 0/1, or clip_local 0")
     if scape.reselect_interval:
         raise ValueError("scape.reselect_interval is not built for ZeRO stage 3: use ZeRO stage 0/1 (ScapeAdamS), "
                          "or reselect_interval 0 under stage 3")
@@ -148,7 +163,8 @@ class Stage3AdamS(torch.optim.Optimizer):
     ZeRO-3 steps it once per sub-group with that sub-group's flat fp32 partition as the only
     parameter; :class:`ScapeStage3` sets ``active`` before each step (empty: dense step). Weight
     decay is lazy as on path A: coordinates outside the mask are decayed by the accumulated factor
-    at the next dense step.
+    at the next dense step. Basis "dct": ``rules[id(flat)]`` (a
+    :class:`~scape_ds.optim.stage3_dct.PartitionStep`), where set, steps that partition instead.
     """
 
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
@@ -158,6 +174,7 @@ class Stage3AdamS(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction))
         self.active: dict[int, torch.Tensor] = {}
+        self.rules: dict[int, Callable] = {}  # basis "dct": id(flat) -> its step (sign/rms/signum pieces, AdamS)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,6 +191,10 @@ class Stage3AdamS(torch.optim.Optimizer):
                     state["decay_debt"] = 1.0
                 state["step"] += 1
                 t, m = state["step"], state["momentum"]
+                rule = self.rules.get(id(p))
+                if rule is not None:
+                    rule(p, m, group, 1.0 - beta1**t if group["bias_correction"] else 1.0)
+                    continue
                 index = self.active.get(id(p))
                 if index is None:
                     # lazy weight decay, as on path A: coordinates outside the last mask missed it
@@ -224,11 +245,13 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
         # another optimizer (DeepSpeed's own tests install this class under theirs) is only
         # exact at sparsity 0: every step is then SCAPE's dense exchange, with no masks to apply
         masked = isinstance(self.optimizer, Stage3AdamS)
-        if not masked and self.scape_config.sparsity > 0.0:
-            raise ValueError(f"the SCAPE stage 3 steps Stage3AdamS at sparsity > 0, got "
+        dct = self.scape_config.basis == "dct"
+        if not masked and (self.scape_config.sparsity > 0.0 or dct):
+            raise ValueError(f"the SCAPE stage 3 steps Stage3AdamS at sparsity > 0 and in basis 'dct', got "
                              f"{type(self.optimizer).__name__}")
-        self.scape = Stage3Exchange(self.scape_config, TorchCommunicator(self.dp_process_group),
-                                    [p for g in self.fp16_groups for p in g], masked, self.communication_data_type)
+        exchange = Stage3DctExchange if dct else Stage3Exchange  # basis "dct": scape_ds/optim/stage3_dct.py
+        self.scape = exchange(self.scape_config, TorchCommunicator(self.dp_process_group),
+                              [p for g in self.fp16_groups for p in g], masked, self.communication_data_type)
         # scape.overlap (sparse_replica): the new values travel in buckets, waited for by each module's forward
         self._value_buckets: list[list[int]] = []
         self._values_in_flight = ValuesInFlight()  # bucket -> its all-gather of new values
@@ -272,6 +295,8 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def step(self, closure=None):
         self.wait_values()  # the last step's, where no forward waited (a module that did not run)
+        if isinstance(self.scape, Stage3DctExchange):
+            return self._step_dct(closure)
         dense = self.scape.begin_step()
         if self.scape.masked:
             self.optimizer.active = {} if dense else self.scape.flat_indices(self._positions())
@@ -284,6 +309,21 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
             return
         momenta = ((self.optimizer.state[flat]["momentum"], offset, p) for flat, offset, p in self._positions())
         self.scape.end_step(momenta)
+
+    def _step_dct(self, closure) -> None:
+        """Basis "dct": the exchange and decode (:meth:`Stage3DctExchange.exchange`), then ZeRO-3's step,
+        whose ``Stage3AdamS`` moves each partition by the decoded mean (``rules``)."""
+        grads = {p.ds_id: g for i, group in enumerate(self.fp16_groups)  # the partitions its step reads
+                 for p, g in zip(group, self.averaged_gradients[i])}
+        self.scape.exchange(grads, self.optimizer.param_groups[0]["betas"][0])
+        self.optimizer.active = {}
+        self.optimizer.rules = self.scape.partition_steps(self._positions())
+        self.scape.in_step = True
+        try:
+            super().step(closure)  # its _post_step moves the replica (sparse_replica)
+        finally:
+            self.scape.in_step = False
+        self.scape.end_step()
 
     def _partition_all_parameters(self):
         if not (self.scape.replica and self.scape.in_step):
@@ -306,13 +346,21 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def _patch_replica(self) -> None:
         """Bring every rank's full copy up to date from the compute-dtype partitions ZeRO-3 just wrote."""
+        if isinstance(self.scape, Stage3DctExchange):
+            if self.scape.step == 0:  # ZeRO-3 released some copies while it traced the first step: all gathered
+                fulls = zip(self.scape.params, self.scape.gather_partitions())
+            else:  # the sparse copies moved by the decoded mean, the dense tensors gathered
+                groups = {p.ds_id: self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+                          for i, group in enumerate(self.fp16_groups) for p in group}
+                self.scape.move_replicas(groups, {p.ds_id for p in self.scape.sparse
+                                                  if p.ds_status == ZeroParamStatus.AVAILABLE})
+                fulls = zip(self.scape.dense, self.scape.gather_dense())
+            for p, full in fulls:
+                _set_full(p, full)
+            return
         if self.scape.step_dense:
             for p, full in zip(self.scape.params, self.scape.gather_partitions()):
-                if p.ds_status == ZeroParamStatus.AVAILABLE:
-                    p.data.copy_(full)
-                else:  # released by ZeRO-3 while it traced the first step: as its own all-gather does
-                    p.data = full.clone()
-                    p.ds_status = ZeroParamStatus.AVAILABLE
+                _set_full(p, full)
             return
         if self._value_buckets:  # scape.overlap: started here, written in by the next forward's hooks
             for b, (work, gathered) in enumerate(self.scape.start_gather_at_masks(self._value_buckets)):
@@ -377,6 +425,15 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
         self.scape.check_loadable(mine.get("scape") if isinstance(mine, dict) else None)
         super().load_state_dict(state_dict_list, load_optimizer_states, *args, **kwargs)
         self.scape.load_state_dict(mine["scape"], self.fp32_partitioned_groups_flat[0].device)
+
+
+def _set_full(p, full: torch.Tensor) -> None:
+    """Write ``p``'s full new value into its copy."""
+    if p.ds_status == ZeroParamStatus.AVAILABLE:
+        p.data.copy_(full)
+    else:  # released by ZeRO-3 while it traced the first step: as its own all-gather does
+        p.data = full.clone()
+        p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def _write_values(p, pos: torch.Tensor, values: torch.Tensor) -> None:

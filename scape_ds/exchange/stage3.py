@@ -292,9 +292,13 @@ class Stage3Exchange:
                     masks={i: self.masks[p.ds_id].clone() for i, p in enumerate(self.params) if p.ds_id in self.masks})
 
     def check_loadable(self, saved: dict | None) -> None:
-        """Raise ValueError unless ``saved`` (a :meth:`state_dict`) belongs to this rank and world size."""
+        """Raise ValueError unless ``saved`` (a :meth:`state_dict`) belongs to this basis, rank and world size."""
         if saved is None:
             raise ValueError("the checkpoint has no SCAPE ZeRO-3 state (saved by another optimizer)")
+        basis = saved.get("basis", "coordinate")
+        if basis != self.cfg.basis:
+            raise ValueError(f"the checkpoint's SCAPE ZeRO-3 state was saved with scape.basis {basis!r}, this run has "
+                             f"{self.cfg.basis!r}: their optimizer states differ; resume with the saved settings")
         check_same_layout(saved["rank"], saved["world_size"], self.rank, self.world_size, "SCAPE ZeRO-3")
 
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
