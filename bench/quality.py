@@ -47,8 +47,9 @@ Update rules at 0.99 (``scape.update_rule``): ``catchup99*`` (gains 0.01-1), ``d
 ``wmean99``, and ``scape995_T50`` (lazy at 0.995 with T=50: about the bytes of 0.99 at T=100); the
 screen in bench/RESULTS.md ran them with ``--steps 500 --lr 6e-3`` (and 3e-3). The best setting of each
 rule at 0.9: ``catchup90_g0.01``, ``drift90_K1``, ``wmean90``.
-ZeRO-3 (``zero3``): ``z3_99_dense_small`` (``ds_configs/scape_zero3.json``: norms, biases and small tensors
-reduced densely) and ``z3_99_all_sparse`` (the same with every tensor masked, an ablation of the code).
+ZeRO-3 (``zero3``): ``z3_99_dense_small`` (``ds_configs/scape_zero3_coordinate.json``, the coordinate basis:
+norms, biases and small tensors reduced densely), ``z3_99_all_sparse`` (the same with every tensor masked, an
+ablation of the code) and ``z3dct99`` (``ds_configs/scape_zero3.json``: basis dct under ZeRO-3).
 Basis dct (``dct``): ``dct99``, ``dct99_shared``, ``dct90``, ``dct90_shared``, the ablations, and ``dct99_k32``
 (the default at DeMo's 32 coefficients per tile). DeMo (``demos``), independent of scape_ds's optimizers
 (qualitybench/demo.py): ``demo`` (each rank clipped to 1, ``+= grad``, sum / D), ``demo_lrgrad`` (``+= lr *

@@ -7,7 +7,7 @@ Commands (on CPU ``--num_processes`` is the number of ranks; nothing is download
     accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/accelerate_scape_coordinate.json \
         --num_processes 2 examples/accelerate_scape.py                       # stage 0/1, coordinate basis
     accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/accelerate_scape_zero3.json \\
-        --num_processes 2 examples/accelerate_scape.py                       # SCAPE's ZeRO-3
+        --num_processes 2 examples/accelerate_scape.py                       # SCAPE's ZeRO-3, basis dct
 
 The configs work with ``accelerate launch`` as they stand: betas, eps and ZeRO-3's bucket sizes are
 numbers (accelerate fills ``"auto"`` there only for the Trainer or a Hugging Face model), and

@@ -4,7 +4,7 @@ through ``scape_ds.initialize`` on the bundled corpus. Nothing is downloaded.
 Commands (on CPU ``--num_gpus`` is the number of ranks)::
 
     deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape.json
-    deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape_zero3.json
+    deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3, dct
 
 Steps: start torch.distributed; build the model from a ``GPT2Config``; ``scape_ds.initialize`` with
 the config (the same call as ``deepspeed.initialize``); train ``--train-iters`` steps on random

@@ -5,6 +5,8 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; nothing is downloaded)::
     deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape.json  # basis dct
     deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_coordinate.json
     deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py --deepspeed ds_configs/hf_scape_zero3.json
+    deepspeed --num_gpus 2 --master_port 29600 examples/hf_trainer.py \
+        --deepspeed ds_configs/hf_scape_zero3_coordinate.json
 
 Save and resume (the Trainer's ``save_strategy="steps"`` and ``resume_from_checkpoint``)::
 
@@ -14,7 +16,8 @@ Save and resume (the Trainer's ``save_strategy="steps"`` and ``resume_from_check
 
 (``--master_port``: any free port, so that the job runs beside another one; ZeRO stage 0/1 in basis
 "dct", ``hf_scape.json``, is the default config; ``hf_scape_coordinate.json`` is it in the coordinate
-basis, ``hf_scape_zero3.json`` SCAPE's ZeRO-3, coordinate basis. ``"overlap": true`` in basis "dct"
+basis, ``hf_scape_zero3.json`` SCAPE's ZeRO-3 in basis "dct" (``hf_scape_zero3_coordinate.json``: coordinate
+basis). ``"overlap": true`` in basis "dct"
 needs ``"gradient_clipping": 0`` and ``--max-grad-norm 0``.) With ``--save-steps`` or ``--resume``
 every rank prints a ``scape_state`` line at each save, after the resume's load and at the end:
 digests of its optimizer state (SCAPE's master and momentum shards, error feedback, masks, step; in

@@ -4,8 +4,9 @@ Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the o
 
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/dense_adamw.json
-    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3
+    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3, basis dct
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3_replica.json  # + replica
+    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3_coordinate.json
     python launch/pretrain.py --deepspeed_config ds_configs/scape.json          # one rank
     mpiexec -n 4 python launch/pretrain.py --deepspeed_config ds_configs/scape_mpi.json   # MPI launch
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \

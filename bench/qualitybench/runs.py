@@ -119,10 +119,14 @@ RUNS: dict[str, tuple] = {
     # the default (scape_dct.json) with 32 coefficients per tile instead of 41: DeMo's k, every other setting
     # ours (1-D tensors dense AdamS, sum / D). Named "demo" until the independent DeMo (demo.py) replaced it
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
-    # ZeRO-3 (path B, ds_configs/scape_zero3.json): norms, biases and tensors under dense_numel_threshold
-    # reduced densely as on path A, against every tensor sparse with error feedback (ABLATIONS)
-    "z3_99_dense_small": ("SCAPE ZeRO-3 0.99, T=100, small tensors dense", "scape_zero3.json", {}),
-    "z3_99_all_sparse": ("SCAPE ZeRO-3 0.99, T=100, every tensor sparse (ablation)", "scape_zero3.json", {}),
+    # ZeRO-3 (path B, coordinate basis: ds_configs/scape_zero3_coordinate.json, scape_zero3.json until it moved to
+    # basis dct): norms, biases and tensors under dense_numel_threshold reduced densely as on path A, against every
+    # tensor sparse with error feedback (ABLATIONS)
+    "z3_99_dense_small": ("SCAPE ZeRO-3 0.99, T=100, small tensors dense", "scape_zero3_coordinate.json", {}),
+    "z3_99_all_sparse": ("SCAPE ZeRO-3 0.99, T=100, every tensor sparse (ablation)", "scape_zero3_coordinate.json",
+                         {}),
+    # ZeRO-3 in basis dct (ds_configs/scape_zero3.json: scape_dct.json's exchange over each parameter's full shape)
+    "z3dct99": ("SCAPE dct 0.99 under ZeRO-3, per-rank masks, sign of the decoded mean", "scape_zero3.json", {}),
     # DiLoCo (arXiv 2311.08105): H local AdamW steps, then the outer Nesterov step (baselines.py)
     "diloco_H30": ("DiLoCo H=30 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
@@ -168,7 +172,7 @@ HIER = ["scape99_hier"]
 DCT = [n for n in RUNS if n.startswith("dct")]
 DEMO = [n for n in RUNS if n.startswith("demo")]
 LOCAL_SGD = [n for n in BASELINES if n.startswith(("diloco", "sparseloco"))]
-ZERO3 = [n for n in RUNS if n.startswith("z3_")]
+ZERO3 = [n for n in RUNS if n.startswith("z3")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
           "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "demos": DEMO, "local_sgd": LOCAL_SGD, "zero3": ZERO3,

