@@ -339,7 +339,11 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
     intra = getattr(opt, "intra_comm", None)
     if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics
         kind += f", hierarchy node ({intra.world_size} ranks per node x {opt.comm.world_size} nodes)"
-    if stage3 and opt.replica:
+    if stage3 and opt.cfg.basis == "dct":  # tiles over full shapes; dense tensors reduce-scattered in step()
+        kind += (f" under ZeRO-3, {opt.cfg.param_exchange} (bytes: the coefficients' exchange + the dense tensors'"
+                 f" reduce-scatter{' and all-gather' if opt.replica else ''} vs ZeRO-3's dense reduce-scatter"
+                 f"{' + all-gather' if opt.replica else ''})")
+    elif stage3 and opt.replica:
         kind += (" under ZeRO-3, sparse_replica (bytes: gradient reduce-scatter + masks + parameter all-gather"
                  " vs ZeRO-3's dense reduce-scatter + all-gather)")
     elif stage3:

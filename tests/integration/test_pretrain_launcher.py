@@ -208,8 +208,8 @@ def _launch(n, *args, config="ds_configs/scape_megatron.json"):
     # basis "dct" (scape_dct.json's exchange): TP2 5.36 -> 3.18, PP2 5.36 -> 3.66 measured, 3.80 at
     # step 11 after the resume; every step sends 2.64% (TP2) and 2.16% (PP2) of the dense bytes
     pytest.param("ds_configs/scape_megatron.json", "dct", 1.0, 0.8, 3.8 + 0.5, id="dct"),
-    # coordinate basis: TP2 5.49 -> 4.52, PP2 5.49 -> 4.75 measured, 4.79 at step 11 after the resume
-    pytest.param("ds_configs/scape_megatron_coordinate.json", "coordinate", 0.5, 0.4, LN_VOCAB - 0.5, id="coordinate"),
+    # the coordinate basis (scape_megatron_coordinate.json: TP2 5.49 -> 4.52, PP2 5.49 -> 4.75, 4.79 at
+    # step 11) runs TP and PP in multiprocess/test_megatron.py; not again here (CI time)
 ])
 def test_deepspeed_launcher_tp2_and_pp2_with_resume(tmp_path, config, basis, tp_margin, pp_margin, resumed_at):
     """TP2 x DP2 and PP2 x DP2 on 4 CPU ranks through the launcher; PP2 saves, resumes and goes on."""

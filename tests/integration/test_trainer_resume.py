@@ -67,10 +67,8 @@ def _differ(a: dict, b: dict) -> list[str]:
     # and the step; one scape_dp_rank_<r>.pt per rank in the tag
     ("ds_configs/hf_scape.json", ("optimizer/scape/groups/0/error", "optimizer/scape/step",
                                   "optimizer/scape/config/basis")),
-    # ZeRO stage 0/1 in the coordinate basis: ScapeAdamS shards its own master and momentum
-    ("ds_configs/hf_scape_coordinate.json", ("optimizer/scape/groups/0/master", "optimizer/scape/groups/0/momentum",
-                                             "optimizer/scape/groups/0/error",
-                                             "optimizer/scape/groups/0/active_offsets", "optimizer/scape/step")),
+    # (the coordinate basis's state, master and momentum sharded, resumes exactly in
+    # multiprocess/test_train_loop.py and test_deepspeed_engine.py; not through the Trainer again: CI time)
     # SCAPE's ZeRO-3 in basis "dct": the state is in DeepSpeed's per-rank optimizer files (the fp32 partitions,
     # the momentum Stage3AdamS keeps for them, every rank's error feedback in coefficients)
     ("ds_configs/hf_scape_zero3.json", ("optimizer/fp32_flat_groups/0",
