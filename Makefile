@@ -14,7 +14,7 @@ PLATFORM ?= manylinux_2_28_x86_64
 WHEELHOUSE ?= wheelhouse
 DEEPSPEED_VERSION := $(shell sed -n 's/^deepspeed==//p' constraints.txt)
 
-.PHONY: install pretrain test test-fast lint bench-bytes bench-overhead wheelhouse clean
+.PHONY: install pretrain test test-slow test-all test-fast lint bench-bytes bench-overhead wheelhouse clean
 
 # constraints.txt pins the tested versions; setup.py asks only for ranges (keeps a user's CUDA torch)
 $(BIN)/.installed: setup.py constraints.txt
@@ -27,7 +27,15 @@ install: $(BIN)/.installed
 pretrain: install
 	$(BIN)/deepspeed --num_gpus $(RANKS) launch/pretrain.py --deepspeed_config $(CONFIG) $(ARGS)
 
+# every test but the slow tier (CI runs this; under 25 minutes on 2 cores); test-slow runs the slow
+# tier, test-all both
 test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests $(ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests $(ARGS)
+
+test-all: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests $(ARGS)
 
 # unit tests and the quick multi-rank tests: no launcher, MPI, root, slow or GPU tests

@@ -98,7 +98,8 @@ def test_every_tier_marker_is_registered():
 _DIRECTORY_MARKERS = set(TIER_BY_DIRECTORY.values())
 _FAST_EXCLUDES = {"launcher", "mpi", "root", "slow", "gpu"}  # make test-fast's -m "not (...)"
 _SELECTIONS = {
-    "every test (`make test`)": lambda marks: True,
+    "every test (`make test-all`)": lambda marks: True,
+    "all but the slow tier (`make test`, CI)": lambda marks: "slow" not in marks,
     "the fast tier (`make test-fast`)": lambda marks: not marks & _FAST_EXCLUDES,
     "no tier marker (`unit/`)": lambda marks: not marks & _DIRECTORY_MARKERS,
     **{f"`{m}`": (lambda marks, m=m: m in marks) for m in (*TIER_BY_DIRECTORY.values(), "slow")},
@@ -111,6 +112,8 @@ def test_readme_counts_are_what_pytest_collects(collected):
         rows = dict(re.findall(r"^\| (.+?) \| (\d+) \|$", f.read(), flags=re.MULTILINE))
     assert set(rows) == set(_SELECTIONS), sorted(rows)
     with open(os.path.join(REPO, "Makefile"), encoding="utf-8") as f:  # the fast tier is make test-fast's
-        assert 'FAST := not (launcher or mpi or root or slow or gpu)' in f.read()
+        makefile = f.read()
+    assert 'FAST := not (launcher or mpi or root or slow or gpu)' in makefile
+    assert '-m "not slow" tests $(ARGS)' in makefile  # make test: every test but the slow tier
     counts = {name: sum(1 for item in collected if pick(set(item["marks"]))) for name, pick in _SELECTIONS.items()}
     assert {name: int(n) for name, n in rows.items()} == counts, "update the table in tests/README.md"
