@@ -42,6 +42,8 @@ SCAPE rows refresh every ``--refresh-every`` steps so that sparse and refresh st
 default T = 100). The rows are interleaved (``--interleave``: every engine is built first, then step s
 of every row, compute floor included, runs before step s + 1), so that load from other jobs on a
 shared machine falls on every row alike. Writes ``bench/step_time_hier_results.json`` and ``bench/step_time_hier.png``.
+``--hier --dct``: dense AdamW, flat dct 0.99 and hierarchical dct 0.99 (ds_configs/scape_hier.json's
+exchange); writes ``bench/step_time_hier_dct_results.json`` and ``bench/step_time_hier_dct.png``.
 
 ``--zero3-loopback`` does the same for dense ZeRO-3 (DeepSpeed's stage 3 with dense AdamS) against
 the SCAPE stage 3 at 0.9 and 0.99 in both ``param_exchange`` modes. Bytes per step: what SCAPE's
@@ -100,6 +102,8 @@ ROWS.update({f"SCAPE {s} hier": {"optimizer": {"type": "ScapeAdamS", "params": O
 ROWS.update({f"SCAPE {s} dct": {"optimizer": {"type": "ScapeAdamS", "params": OPT},
                                  "scape": {"sparsity": s, "basis": "dct", "mask": "per_rank", "clip_local": 1.0,
                                            "ef_decay": 0.999}} for s in (0.9, 0.99)})
+ROWS["SCAPE 0.99 dct hier"] = {**ROWS["SCAPE 0.99 dct"], "scape": {**ROWS["SCAPE 0.99 dct"]["scape"],
+                                                                 "hierarchy": "node"}}
 # --dct --overlap: ds_configs/scape_dct_overlap.json's exchange with and without overlap, both with
 # gradient_clipping 0 (the overlap refuses the global clip), beside the coordinate basis with overlap
 ROWS.update({f"SCAPE {s} dct noclip{' overlap' if o else ''}": {
@@ -131,6 +135,7 @@ DCT_ROWS = ["dense AdamW", "SCAPE 0.99", "SCAPE 0.99 dct", "SCAPE 0.9", "SCAPE 0
 DCT_OVERLAP_ROWS = ["dense AdamW", "SCAPE 0.99 overlap", "SCAPE 0.99 dct noclip", "SCAPE 0.99 dct noclip overlap",
                     "SCAPE 0.9 overlap", "SCAPE 0.9 dct noclip", "SCAPE 0.9 dct noclip overlap"]
 HIER_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 hier", "SCAPE 0.99", "SCAPE 0.99 hier"]
+HIER_DCT_ROWS = ["dense AdamW", "SCAPE 0.99 dct", "SCAPE 0.99 dct hier"]  # --hier --dct
 ZERO3_ROWS = ["dense ZeRO-3 AdamS", "SCAPE ZeRO-3 0.9", "SCAPE ZeRO-3 0.99", "SCAPE ZeRO-3 0.9 replica",
               "SCAPE ZeRO-3 0.99 replica"]
 MPI_ROWS = ["dense AdamW", "SCAPE 0.9", "SCAPE 0.9 (mpi)", "SCAPE 0.99", "SCAPE 0.99 (mpi)"]
@@ -362,7 +367,7 @@ def cluster_rows(args) -> list[str]:
     """The cluster run's rows; ``--mpi`` adds SCAPE 0.9 and 0.99 over the mpi4py backend, ``--zero3`` dense
     ZeRO-3 and the SCAPE stage 3 (both modes) at 0.99."""
     if args.hier:
-        return list(HIER_ROWS)
+        return list(HIER_DCT_ROWS if args.dct else HIER_ROWS)
     if args.overlap and args.dct:
         return list(DCT_OVERLAP_ROWS)
     if args.overlap:  # --zero3: the SCAPE stage 3 in sparse_replica mode, with and without overlap
@@ -643,9 +648,11 @@ def main() -> int:
     ap.add_argument("--rows", default=",".join(CLUSTER_ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.out is None:
-        args.out = os.path.join(REPO, "bench", "step_time_hier_results.json" if args.hier else "step_time_results.json")
+        name = ("step_time_hier_dct_results.json" if args.dct else "step_time_hier_results.json") if args.hier \
+            else "step_time_results.json"
+        args.out = os.path.join(REPO, "bench", name)
     if args.hier:
-        args.rows = ",".join(HIER_ROWS)
+        args.rows = ",".join(HIER_DCT_ROWS if args.dct else HIER_ROWS)
         args.refresh_every = args.refresh_every or 4
         args.interleave = True
     if args.dct or args.overlap:

@@ -149,15 +149,16 @@ class ScapeConfig(BaseModel):
     (``mask``), and an update formed in real space from the decoded sparse mean (``dct_update``): every
     parameter moves every step although only k coefficients per tile travel (docs/design.md, "Transform
     basis"). ZeRO stage 0/1 and 3 (tiles over each parameter's full shape: docs/design.md, "Path B"),
-    ``hierarchy "flat"`` only; ``mask_refresh_interval`` and ``dense_refresh`` apply
+    ``hierarchy "node"`` at stage 0/1 (each rank of a node exchanges its slice of the tiles across
+    nodes: docs/design.md, "Hierarchical SCAPE"); ``mask_refresh_interval`` and ``dense_refresh`` apply
     only to ``mask_source "momentum"``. bench/RESULTS.md ("SCAPE in the DCT basis"): at sparsity 0.99
     with ds_configs/scape_dct.json (per_rank, sign, clip_local 1, ef_decay 0.999) 0.996x dense AdamW's
     validation loss with 2.3% of its bytes (0.45M parameters, 1500 steps, 2 ranks, lr 3e-3 as for
     AdamW), where the coordinate basis is 1.40x; at 0.9 1.013x. At 1.85M parameters (2000 steps, lr
     2.1e-3, 0.7x AdamW's) 0.997x with 2.05%, where the coordinate basis is 1.26x; at 0.9 1.036x, worse
-    than the coordinate basis's 1.021x. The default stays "coordinate" because hierarchy "node" and
-    ZeRO-3's elastic resume run only there (ZeRO-3 and stage 0/1's elastic resume run in both); the
-    recommended setting at ZeRO stage 0/1 is
+    than the coordinate basis's 1.021x. The default stays "coordinate" because ZeRO-3's elastic resume
+    runs only there (ZeRO-3, the hierarchy and stage 0/1's elastic resume run in both; neither basis
+    resumes a hierarchy elastically); the recommended setting at ZeRO stage 0/1 is
     ds_configs/scape_dct.json (with ``overlap``: ds_configs/scape_dct_overlap.json)."""
 
     mask: Literal["per_rank", "shared"] = "per_rank"
@@ -348,11 +349,14 @@ class ScapeConfig(BaseModel):
                 raise ValueError(f"basis 'dct' cuts weights into square tiles of chunk_size elements: chunk_size must "
                                  f"be a power of 4 (16 ... 65536; 4096 = 64 x 64 tiles), got {self.chunk_size}")
             settings = dict(compressor=(self.compressor, "scape"), update_rule=(self.update_rule, "lazy"),
-                            reselect_interval=(self.reselect_interval, 0), hierarchy=(self.hierarchy, "flat"),
+                            reselect_interval=(self.reselect_interval, 0),
                             error_feedback_dtype=(self.error_feedback_dtype, "fp32"))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if bad:
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
+            if self.hierarchy == "node" and self.mask_source == "momentum":
+                raise ValueError("mask_source 'momentum' is built for hierarchy 'flat' (its owners' first moment "
+                                 "lives on the flat shards); use mask_source 'union' or 'owner' with hierarchy 'node'")
         if self.mask_hold < 1:
             raise ValueError(f"mask_hold must be >= 1 (steps one shared mask serves), got {self.mask_hold}")
         if self.mask_source == "momentum" and (self.mask_hold != 1 or self.mask_early):
@@ -364,7 +368,8 @@ class ScapeConfig(BaseModel):
                 raise ValueError(f"{name} {value!r} applies to the shared mask of basis 'dct': it needs basis 'dct' "
                                  f"and mask 'shared', got basis {self.basis!r}, mask {self.mask!r}")
         if self.overlap and self.basis == "dct":  # the exchange runs in step(), the update under the next forward
-            allowed = dict(mask=(self.mask, ("per_rank",)), dct_update=(self.dct_update, ("sign", "rms", "signum")))
+            allowed = dict(mask=(self.mask, ("per_rank",)), dct_update=(self.dct_update, ("sign", "rms", "signum")),
+                           hierarchy=(self.hierarchy, ("flat",)))
             bad = [f"{k} {v!r} (needs one of {', '.join(want)})" for k, (v, want) in allowed.items() if v not in want]
             if bad:
                 raise ValueError("scape.overlap with basis 'dct' is built for: " + ", ".join(bad))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dct_matrix", "TileLayout", "to_coefficients", "from_coefficients"]
+__all__ = ["dct_matrix", "TileLayout", "CoefficientSlice", "to_coefficients", "from_coefficients"]
 
 
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -37,8 +37,25 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device 
     return q.to(dtype=dtype, device=device)
 
 
+class _OwnerShards:
+    """A coefficient buffer of ``numel`` in tiles of ``chunk_size``, owned in ``world_size`` shards."""
+
+    numel: int
+    world_size: int
+    chunk_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        """S, the coefficients each rank owns (whole tiles)."""
+        return self.numel // self.world_size
+
+    @property
+    def n_chunks(self) -> int:
+        return self.numel // self.chunk_size
+
+
 @dataclass(frozen=True)
-class TileLayout:
+class TileLayout(_OwnerShards):
     """Where each weight's tiles lie in the coefficient buffer.
 
     Attributes:
@@ -84,14 +101,24 @@ class TileLayout:
         (gr, gc), t = self.tile_grid[-1], self.tile
         return self.coef_offsets[-1] + gr * gc * t * t
 
-    @property
-    def shard_numel(self) -> int:
-        """S, the coefficients each rank owns (whole tiles)."""
-        return self.numel // self.world_size
+    def node_slice(self, node_size: int) -> "CoefficientSlice":
+        """Under ``hierarchy "node"`` (G = ``node_size`` ranks per node, M = D / G nodes): the layout of
+        the slice local rank l exchanges across nodes, the coefficients ``[l numel/G, (l+1) numel/G)``:
+        M owner shards of S each, whole tiles (``numel`` is a multiple of D C, so of G M C)."""
+        if self.world_size % node_size:
+            raise ValueError(f"{self.world_size} data-parallel ranks do not split into nodes of {node_size}")
+        return CoefficientSlice(self.chunk_size, self.numel // node_size, self.world_size // node_size)
 
-    @property
-    def n_chunks(self) -> int:
-        return self.numel // self.chunk_size
+
+@dataclass(frozen=True)
+class CoefficientSlice(_OwnerShards):
+    """A contiguous run of whole tiles of a coefficient buffer, exchanged over ``world_size`` owners:
+    what the exchange needs of a :class:`TileLayout` (``chunk_size``, ``numel``, ``shard_numel``,
+    ``n_chunks``), without the weights."""
+
+    chunk_size: int
+    numel: int
+    world_size: int
 
 
 def _weights(layout: TileLayout, weights: range | None):

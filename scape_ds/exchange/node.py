@@ -17,12 +17,20 @@ group on slice l, with this stage around it:
 
 :class:`FlatStage` is the same interface doing nothing: a flat run is a one-rank node whose slice is
 the whole buffer, without copies. The optimizer chooses one of the two once, at construction.
+
+Under ``basis "dct"`` the slices are of the coefficient buffer (whole tiles; the tile count is a
+multiple of G M): each rank transforms its whole local gradient, a dense reduce-scatter over the node
+gives local rank l the node sum of slice l's coefficients, which enter its error feedback ((numel/G,)
+per rank); the DCT exchange runs on slice l across nodes; an all-gather over the node of every
+slice's mean coefficients gives every rank the whole mean, which it decodes and applies as a flat
+run does (:meth:`NodeStage.accumulate_coefficients`, :meth:`NodeStage.gather_coefficients`).
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm import Communicator, collective_bytes
+from .basis import TileLayout, to_coefficients
 from .masks import offsets_to_index
 
 __all__ = ["FlatStage", "NodeStage"]
@@ -47,6 +55,9 @@ class FlatStage:
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         return None
 
+    def all_reduce_across(self, tensor: torch.Tensor, comm: Communicator, tag: str) -> None:
+        comm.all_reduce(tensor, tag)
+
     def broadcast(self, tensor: torch.Tensor, tag: str) -> None:
         return None
 
@@ -61,6 +72,16 @@ class FlatStage:
 
     def dense_bytes(self, padded_numel: int, elem_bytes: int, dense_numel: int) -> int:
         return 0
+
+    def coefficient_layout(self, tiles: TileLayout) -> TileLayout:
+        return tiles
+
+    def accumulate_coefficients(self, tiles: TileLayout, grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor,
+                                kernels, decay: float) -> None:
+        to_coefficients(tiles, grad, error, q, kernels, decay=decay)  # e = decay e + Q g
+
+    def gather_coefficients(self, mean: torch.Tensor) -> torch.Tensor:
+        return mean
 
 
 class NodeStage:
@@ -92,6 +113,20 @@ class NodeStage:
         """Sum over the node (dense tensors and norms: the cross-node sum follows or came first)."""
         self.intra.all_reduce(tensor, tag)
 
+    def all_reduce_across(self, tensor: torch.Tensor, comm: Communicator, tag: str) -> None:
+        """Sum ``tensor`` ((n,), e.g. the dense tensors' gradients) over every rank of every node, each
+        rank of the node carrying 1/G of it across nodes: a reduce-scatter over the node, an all-reduce
+        of the slice over ``comm`` (cross-node), an all-gather over the node. The same bits on every rank."""
+        G = self.size
+        n = tensor.numel()
+        padded = torch.zeros(-(-n // G) * G, dtype=tensor.dtype, device=tensor.device)  # (G ceil(n/G),)
+        padded[:n].copy_(tensor)
+        part = torch.empty(padded.numel() // G, dtype=tensor.dtype, device=tensor.device)
+        self.intra.reduce_scatter(part, padded, tag)
+        comm.all_reduce(part, tag)
+        self.intra.all_gather(padded, part, tag)
+        tensor.copy_(padded[:n])
+
     def broadcast(self, tensor: torch.Tensor, tag: str) -> None:
         """Local rank 0's ``tensor`` to the node."""
         self.intra.broadcast(tensor, 0, tag)
@@ -113,6 +148,28 @@ class NodeStage:
         out = torch.empty(encoded.numel() * self.size, dtype=encoded.dtype, device=encoded.device)  # (G L,)
         self.intra.all_gather(out, encoded, "mask_ag")
         return offsets_to_index(kernels.decode_mask(out, chunk_size, k_per_chunk), chunk_size, k_per_chunk)
+
+    def coefficient_layout(self, tiles: TileLayout):
+        """basis "dct": the layout of this rank's slice of the coefficients, exchanged across nodes."""
+        return tiles.node_slice(self.size)
+
+    def accumulate_coefficients(self, tiles: TileLayout, grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor,
+                                kernels, decay: float) -> None:
+        """basis "dct": ``error`` ((numel/G,), this slice's error feedback) = decay * error + the node
+        sum of this slice's coefficients of ``grad`` ((N_pad,), this rank's gradient): the whole
+        gradient is transformed ((numel,) fp32, transient), then reduce-scattered over the node."""
+        coef = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) padding tiles 0
+        to_coefficients(tiles, grad, coef, q, kernels)
+        node_sum = torch.empty_like(error)  # (numel/G,)
+        self.intra.reduce_scatter(node_sum, coef, "coef_rs")
+        error.mul_(decay).add_(node_sum)
+
+    def gather_coefficients(self, mean: torch.Tensor) -> torch.Tensor:
+        """basis "dct": (numel/G,) this slice's mean coefficients -> (numel,) every slice's, the same
+        bits on every rank of every node."""
+        out = torch.empty(mean.numel() * self.size, dtype=mean.dtype, device=mean.device)  # (numel,)
+        self.intra.all_gather(out, mean, "coef_ag")
+        return out
 
     def dense_bytes(self, padded_numel: int, elem_bytes: int, dense_numel: int) -> int:
         """Intra-node bytes of a dense hierarchical step: reduce-scatter of (N_pad,), all-gather of

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Communicator
-from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
+from ..exchange.basis import TileLayout, from_coefficients
 from ..exchange.masks import offsets_to_index
+from ..exchange.node import FlatStage, NodeStage
 
 __all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
            "add_per_rank", "apply_update", "square_norm_fp64", "all_gather_int16_async"]
@@ -201,7 +202,8 @@ def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, mome
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
                  mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
-                 held: HeldMask | None = None, dense: bool = False) -> tuple[torch.Tensor, HeldMask | None]:
+                 held: HeldMask | None = None, dense: bool = False,
+                 node: FlatStage | NodeStage | None = None) -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
@@ -211,9 +213,16 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     ``mask_early`` or ``mask_source="momentum"``, which must have one unless ``dense``). ``dense``
     (mask "shared"): every coefficient is sent, as at sparsity 0. Allocates that (numel,) vector (the
     one buffer of the model's size a step needs) and the packed values and offsets (O(D k)).
+
+    ``node`` (hierarchy "node", :class:`~scape_ds.exchange.node.NodeStage`): ``error`` is this rank's
+    slice of the coefficients ((numel/G,)); the node sum of the slice's coefficients enters it, ``comm``
+    (the cross-node group of M ranks) exchanges the slice, the mean is over all G M ranks, and the
+    slices' means are gathered over the node into the (numel,) mean returned.
     """
+    node = node or FlatStage()
+    tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
     C, D = tiles.chunk_size, comm.world_size
-    to_coefficients(tiles, grad, error, q, kernels, decay=ef_decay)  # e = decay * e + Q g
+    node.accumulate_coefficients(tiles_all, grad, error, q, kernels, ef_decay)  # e = decay * e + Q g
     mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
     keep = None
     if mask == "per_rank":
@@ -249,7 +258,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         mean.index_add_(0, index, values)  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
-    return mean.div_(D), keep
+    return node.gather_coefficients(mean.div_(D * node.size)), keep
 
 
 def decode_dct(tiles: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> torch.Tensor:

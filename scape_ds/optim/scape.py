@@ -224,7 +224,8 @@ class ScapeAdamS(Optimizer):
                 if self.cfg.basis == "dct":  # error feedback in coefficients; no sharded master or momentum
                     gs.tiles = TileLayout.build(sparse, layout.offsets, self.dp_world_size, self.cfg.tile_size)
                     gs.dct_q = dct_matrix(self.cfg.tile_size, state_dtype, device)  # (t, t)
-                    gs.error = torch.zeros(gs.tiles.numel, dtype=state_dtype, device=device)  # (tiles t t,)
+                    # (tiles t t,), or under hierarchy "node" this rank's slice of it (tiles t t / G,)
+                    gs.error = torch.zeros(gs.tiles.numel // node.size, dtype=state_dtype, device=device)
                     gs.master = None
                     # dct_update "adams": AdamS on the decoded mean, its momentum on every rank (N_pad,);
                     # "adams_coef": AdamS on the mean coefficients, its momentum in coefficients (tiles t t,)
@@ -372,7 +373,7 @@ class ScapeAdamS(Optimizer):
                     self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q, mask=cfg.mask,
                     k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, mask_source=cfg.mask_source,
                     mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=gs.held_mask,
-                    dense=dense_step)  # (numel,)
+                    dense=dense_step, node=self._node)  # (numel,)
                 if by_momentum:  # the owner's first moment, and from it the next step's mask
                     gs.held_mask = next_mask_from_momentum(self.comm, self._kernels, gs.tiles, gs.coef_momentum,
                                                            signal, sent, group["betas"][0], cfg.k_per_chunk)
@@ -384,8 +385,11 @@ class ScapeAdamS(Optimizer):
             self._update_group(group, gs, None, dense_g, scale, False)  # the dense tensors
             if signal is not None:
                 self._dct_update(group, gs, signal, scale, t)
-            meter.record_dense(self._dense_bytes(gs)[0])
-        stats = step_comm_stats(meter, t, False)
+            inter, intra = self._dense_bytes(gs)
+            meter.record_dense(inter)
+            if self._node.meter is not None:
+                self._node.meter.record_dense(intra)
+        stats = step_comm_stats(meter, t, False, self._node.meter)
         if cfg.log_comm:
             self.comm_stats = stats
 
@@ -534,13 +538,13 @@ class ScapeAdamS(Optimizer):
 
     def _reduce_dense(self, gs: _GroupState) -> torch.Tensor | None:
         """The mean over every data-parallel rank of the dense-exchanged tensors' gradients, (M,) fp32
-        (one all-reduce; under hierarchy "node" inside the node first), or None without such tensors."""
+        (one all-reduce; under hierarchy "node" each rank of a node carries 1/G of it across nodes), or
+        None without such tensors."""
         if not gs.dense_params:
             return None
         dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
                              for p in gs.dense_params])  # (M,) fp32
-        self._node.all_reduce(dense_g, "dense_ar")
-        self.comm.all_reduce(dense_g, "dense_ar")
+        self._node.all_reduce_across(dense_g, self.comm, "dense_ar")
         return dense_g.div_(self.dp_world_size)
 
     def _reduce_scatter_dense(self, gs: _GroupState) -> torch.Tensor:

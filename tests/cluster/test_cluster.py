@@ -206,3 +206,34 @@ def test_deepspeed_launcher_with_mpich_trains_across_emulated_nodes(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["bytes_sent"] <= 0.03 * r["bytes_dense"] for r in rows[1:])
+
+
+@pytest.mark.skipif(NO_ROOT is not None, reason=str(NO_ROOT))
+def test_dct_hierarchy_across_two_emulated_nodes_of_two_sends_under_half_of_flat(tmp_path):
+    """ds_configs/scape_dct.json with one field changed (``"hierarchy": "node"``) on 2 nodes x 2 ranks
+    (LOCAL_WORLD_SIZE = 2 from the cluster), through launch/pretrain.py, beside the flat config: both
+    learn, and every step the hierarchy sends at most nodes / ranks of flat's bytes across nodes."""
+    with open(os.path.join(REPO, "ds_configs", "scape_dct.json")) as f:
+        cfg = json.load(f)
+    rows = {}
+    for hierarchy in ("flat", "node"):
+        cfg["scape"]["hierarchy"] = hierarchy
+        path, metrics = tmp_path / f"{hierarchy}.json", tmp_path / f"{hierarchy}.jsonl"
+        path.write_text(json.dumps(cfg))
+        cmd = [sys.executable, "launch/pretrain.py", "--deepspeed_config", str(path), "--train-iters", "12",
+               "--log-interval", "6", "--eval-interval", "12", "--metrics-out", str(metrics), "--no-progress"]
+        with Cluster(2, "1gbit", "0.5ms", ranks_per_node=2) as c:
+            procs = c.launch(cmd, env=dict(DS_ACCELERATOR="cpu"), cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            codes = c.wait(procs, 300)
+            out = procs[0].stdout.read()
+        assert codes == [0] * 4, out[-4000:]
+        if hierarchy == "node":
+            assert "hierarchy node (2 ranks per node x 2 nodes)" in out, out[-4000:]
+        rows[hierarchy] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for h, f in zip(rows["node"], rows["flat"], strict=True):
+        assert h["bytes_intra"] > 0 and f["bytes_intra"] == 0
+        assert h["bytes_inter"] <= f["bytes_inter"] * 2 / 4, (h["step"], h["bytes_inter"], f["bytes_inter"])
+    for run in rows.values():
+        assert run[-1]["loss"] < run[0]["loss"] - 0.5, [r["loss"] for r in run]
+    assert not _ours(), "namespaces left behind"

@@ -100,8 +100,11 @@ def test_config_dct_fields_and_refusals():
     assert (cfg.tile_size, cfg.mask, cfg.dct_update) == (32, "shared", "sign")
     with pytest.raises(ValueError, match="power of 4"):
         parse_scape_config(dict(basis="dct", chunk_size=2048))
-    with pytest.raises(ValueError, match="hierarchy 'node'"):
-        parse_scape_config(dict(basis="dct", hierarchy="node"))
+    assert parse_scape_config(dict(basis="dct", hierarchy="node", mask="shared")).hierarchy == "node"
+    with pytest.raises(ValueError, match="mask_source 'momentum' is built for hierarchy 'flat'"):
+        parse_scape_config(dict(basis="dct", hierarchy="node", mask="shared", mask_source="momentum"))
+    with pytest.raises(ValueError, match="scape.overlap with basis 'dct' is built for: hierarchy 'node'"):
+        parse_scape_config(dict(basis="dct", hierarchy="node", overlap=True))
     with pytest.raises(ValueError, match="update_rule 'catchup'"):
         parse_scape_config(dict(basis="dct", update_rule="catchup"))
     with pytest.raises(ValueError, match="scape.ef_decay: must be in"):
