@@ -7,7 +7,7 @@
    in fp32 that holds to fp32 rounding, in bf16 each step's ``e + g`` is rounded to 8 bits of
    mantissa and the rounding is lost. Reported: max |sent + residual - accumulated| relative to
    max |accumulated|, after 100 steps.
-2. Training: launch/pretrain.py, 2 gloo ranks, 200 steps of ds_configs/scape.json with
+2. Training: launch/pretrain.py, 2 gloo ranks, 200 steps of ds_configs/scape_coordinate.json with
    ``error_feedback_dtype`` fp32 and bf16: the mean training loss of the last 20 steps and the
    final validation loss.
 """
@@ -71,7 +71,7 @@ def conservation(ef: str, steps: int = 100) -> float:
 
 
 def train(ef: str, steps: int, workdir: str) -> dict:
-    with open(os.path.join(_REPO, "ds_configs", "scape.json"), encoding="utf-8") as f:
+    with open(os.path.join(_REPO, "ds_configs", "scape_coordinate.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     cfg["scape"]["error_feedback_dtype"] = ef
     path = os.path.join(workdir, f"scape_ef_{ef}.json")

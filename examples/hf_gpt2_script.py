@@ -3,7 +3,8 @@ through ``scape_ds.initialize`` on the bundled corpus. Nothing is downloaded.
 
 Commands (on CPU ``--num_gpus`` is the number of ranks)::
 
-    deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape.json
+    deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape_dct.json
+    deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape_coordinate.json
     deepspeed --num_gpus 2 examples/hf_gpt2_script.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3, dct
 
 Steps: start torch.distributed; build the model from a ``GPT2Config``; ``scape_ds.initialize`` with
@@ -39,7 +40,7 @@ def _print_line(text: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed_config", default="ds_configs/scape.json")
+    p.add_argument("--deepspeed_config", default="ds_configs/scape_dct.json")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--train-iters", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=64)

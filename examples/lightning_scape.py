@@ -3,7 +3,7 @@
 Commands (Lightning starts the other ranks itself; nothing is downloaded)::
 
     python examples/lightning_scape.py --config ds_configs/scape_dct.json      # ZeRO stage 0/1, basis dct
-    python examples/lightning_scape.py --config ds_configs/scape.json          # stage 0/1, coordinate basis
+    python examples/lightning_scape.py --config ds_configs/scape_coordinate.json          # stage 0/1, coordinate basis
     python examples/lightning_scape.py --config ds_configs/scape_zero3.json    # SCAPE's ZeRO-3, basis dct
     python examples/lightning_scape.py --config ds_configs/scape_zero3_coordinate.json   # ZeRO-3, coordinate basis
     python examples/lightning_scape.py --resume runs/lightning/step=4.ckpt     # resume after step 4

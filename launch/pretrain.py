@@ -2,20 +2,20 @@
 
 Commands (on CPU ``--num_gpus`` is the number of ranks; the config chooses the optimizer)::
 
-    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape.json
+    deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_dct.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/dense_adamw.json
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3.json  # ZeRO-3, basis dct
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3_replica.json  # + replica
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/scape_zero3_coordinate.json
-    python launch/pretrain.py --deepspeed_config ds_configs/scape.json          # one rank
+    python launch/pretrain.py --deepspeed_config ds_configs/scape_dct.json          # one rank
     mpiexec -n 4 python launch/pretrain.py --deepspeed_config ds_configs/scape_mpi.json   # MPI launch
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
         --tensor-model-parallel-size 2            # TP2 x DP2, megatron-core layers, SCAPE over DP
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/scape_megatron.json \
         --pipeline-model-parallel-size 2          # PP2 x DP2, DeepSpeed's PipelineEngine
     # scape_mpi.json, scape_megatron.json: basis "dct" (scape_dct.json's exchange); their
-    # *_coordinate.json twins and scape.json: the coordinate basis
-    deepspeed --hostfile hosts --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/scape.json
+    # every *_coordinate.json: the coordinate basis
+    deepspeed --hostfile hosts --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/scape_hier.json
 
 Steps: parse and check every input (config, corpus, --load) before any process group exists, so
 bad input is one line on stderr and a non-zero exit; start torch.distributed; build the data, the

@@ -1,7 +1,7 @@
 """Emulate an N-node cluster on one Linux machine: network namespaces, a bridge, shaped links.
 
     sudo python launch/cluster.py --nodes 4 --rate 1gbit --delay 0.5ms -- \\
-        python launch/pretrain.py --deepspeed_config ds_configs/scape.json --train-iters 50
+        python launch/pretrain.py --deepspeed_config ds_configs/scape_dct.json --train-iters 50
     sudo python launch/cluster.py --nodes 2 --rate 10gbit --ranks-per-node 2 -- python my_script.py
     sudo python launch/cluster.py --cleanup-stale        # remove namespaces left by a killed run
 

@@ -4,7 +4,7 @@ that builds SCAPE and also runs on CPU (docs/design.md, "Around the optimizer").
     import lightning as L
     from scape_ds.lightning import ScapeDeepSpeedStrategy
 
-    strategy = ScapeDeepSpeedStrategy(config="ds_configs/scape_dct.json")   # or scape.json, scape_zero3.json (ZeRO-3)
+    strategy = ScapeDeepSpeedStrategy(config="ds_configs/scape_dct.json")   # or scape_zero3.json (ZeRO-3)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=100)
 
 What it changes in Lightning's strategy (written against lightning 2.6; the private names it

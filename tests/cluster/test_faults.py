@@ -93,8 +93,9 @@ def test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_re
     ckpt = tmp_path / "ckpt"
     assert not _ours()
     with Cluster(2, "1gbit", "0.5ms") as c:
-        procs = _pretrain(c, tmp_path, "cut", ["--deepspeed_config", "ds_configs/scape.json", "--train-iters", "5000",
-                                               "--eval-interval", "5000", "--save", str(ckpt), "--save-interval", "5"])
+        procs = _pretrain(c, tmp_path, "cut", ["--deepspeed_config", "ds_configs/scape_coordinate.json",
+                                               "--train-iters", "5000", "--eval-interval", "5000", "--save", str(ckpt),
+                                               "--save-interval", "5"])
         _wait_until(lambda: (ckpt / "latest").exists(), procs, 120, "first checkpoint")
         time.sleep(0.5)  # mid-run: between checkpoints, or in one
         c.link_down(1)
@@ -117,9 +118,10 @@ def test_link_down_ends_every_rank_within_the_timeout_and_the_last_checkpoint_re
 
         c.link_up(1)  # healed: the same two nodes resume from the checkpoint the lines name
         metrics = tmp_path / "resume.jsonl"
-        procs = _pretrain(c, tmp_path, "resume", ["--deepspeed_config", "ds_configs/scape.json", "--load", str(ckpt),
-                                                  "--train-iters", str(step + 2), "--eval-interval", "1000",
-                                                  "--metrics-out", str(metrics)], port_offset=1)
+        procs = _pretrain(c, tmp_path, "resume", ["--deepspeed_config", "ds_configs/scape_coordinate.json",
+                                                  "--load", str(ckpt), "--train-iters", str(step + 2),
+                                                  "--eval-interval", "1000", "--metrics-out", str(metrics)],
+                          port_offset=1)
         assert c.wait(procs, 180) == [0, 0], [_text(tmp_path, "resume", r, "err")[-3000:] for r in range(2)]
         assert f"resumed from {ckpt}/{tag} at step {step}" in _text(tmp_path, "resume", 0, "out")
         assert [r["step"] for r in _rows(metrics)] == [step + 1, step + 2]
@@ -132,7 +134,7 @@ def test_link_slowed_to_1mbit_mid_run_loses_nothing(tmp_path):
     bucket's 64 KiB burst; a dense step every 4th, the mask refresh, sends 88 KB); the run still
     finishes every step, with the same losses and the same final weights and optimizer state, bit for
     bit."""
-    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+    with open(os.path.join(REPO, "ds_configs", "scape_coordinate.json")) as f:
         cfg = json.load(f)
     cfg["scape"]["mask_refresh_interval"] = 4  # a dense exchange every 4 steps: bytes that feel the link
     config = tmp_path / "scape_t4.json"

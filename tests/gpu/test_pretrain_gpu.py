@@ -64,7 +64,7 @@ def test_pretrain_one_gpu(tmp_path, config):
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("config", ["scape.json", "scape_zero3_replica.json", "scape_zero3_bf16.json"])
+@pytest.mark.parametrize("config", ["scape_coordinate.json", "scape_zero3_replica.json", "scape_zero3_bf16.json"])
 def test_pretrain_two_ranks_nccl(tmp_path, config):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "launch/pretrain.py",
            "--deepspeed_config", f"ds_configs/{config}", "--train-iters", "60"] + MODEL

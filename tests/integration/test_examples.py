@@ -2,7 +2,7 @@
 
 Each example prints one ``scape_step {json}`` line per step on rank 0: loss, the optimizer's class,
 bytes SCAPE sent and the dense exchange's bytes. 10 steps at sparsity 0.99: in the coordinate basis
-(``hf_scape_coordinate.json``, ``scape.json``) the first is a dense refresh and the other nine sparse;
+(``hf_scape_coordinate.json``, ``scape_coordinate.json``) the first is a dense refresh and the other nine sparse;
 in basis "dct" (``hf_scape.json`` at ZeRO stage 0/1, ``hf_scape_zero3.json`` under ZeRO-3, the exchange
 of ``scape_dct.json``) all ten are sparse.
 """
@@ -106,6 +106,6 @@ def test_hf_trainer_example_with_overlap(base, edits, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_hf_gpt2_script_example_trains_with_scape():
-    rows = _run_example("examples/hf_gpt2_script.py", "--deepspeed_config", "ds_configs/scape.json",
+    rows = _run_example("examples/hf_gpt2_script.py", "--deepspeed_config", "ds_configs/scape_coordinate.json",
                         "--train-iters", str(STEPS))
     _check_scape_run(rows, "ScapeAdamS")

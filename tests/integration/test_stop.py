@@ -35,7 +35,7 @@ def _kill_group(proc) -> None:
         pass
 
 
-def _cmd(*args, config="ds_configs/scape.json"):
+def _cmd(*args, config="ds_configs/scape_coordinate.json"):
     return [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
             "--deepspeed_config", config, "--no-progress", "--log-interval", "1",
             "--eval-interval", "100000", "--eval-iters", "1", "--dist-timeout", "60", *args]
@@ -95,7 +95,8 @@ def test_stop_ends_every_process_after_a_checkpoint_that_resumes(tmp_path, how):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim,config", [(1, "scape.json"), (0, "scape.json"), (1, "scape_overlap.json")])
+@pytest.mark.parametrize("victim,config", [(1, "scape_coordinate.json"), (0, "scape_coordinate.json"),
+                                           (1, "scape_overlap_coordinate.json")])
 def test_a_rank_killed_under_the_launcher_gets_one_line(tmp_path, victim, config):
     """Issue 35 items 2 and 3: SIGKILL to one rank; launch.py then SIGTERMs the other, which still
     prints the lost-peer line (no thread traceback when rank 0, the store's host, went first). With

@@ -71,7 +71,8 @@ def _worker_dense_equivalence(rank, world_size, tmp_path, gas):
 
     train, _ = build_datasets()
     results = {}
-    for name, cfg in (("scape", _config("scape.json", sparsity=0.0, chunk_size=256, dense_numel_threshold=1024)),
+    scape = _config("scape_coordinate.json", sparsity=0.0, chunk_size=256, dense_numel_threshold=1024)
+    for name, cfg in (("scape", scape),
                       ("dense", _config("dense_adams.json"))):
         cfg["gradient_accumulation_steps"] = gas
         engine = _engine(cfg)
@@ -99,7 +100,7 @@ def _worker_resume(rank, world_size, tmp_path, mode, ckpt):
     from scape_ds.data import build_datasets
 
     train, _ = build_datasets()
-    engine = _engine(_config("scape.json", sparsity=0.99, chunk_size=256, mask_refresh_interval=4,
+    engine = _engine(_config("scape_coordinate.json", sparsity=0.99, chunk_size=256, mask_refresh_interval=4,
                              dense_numel_threshold=1024))
     if mode == "straight":
         _train(engine, train, 0, 20)
@@ -151,7 +152,7 @@ def _worker_changed_settings(rank, world_size, tmp_path, ckpt, phase):
 
     train, _ = build_datasets()
     if phase == "save":
-        engine = _engine(_config("scape.json", **_SAVED))
+        engine = _engine(_config("scape_coordinate.json", **_SAVED))
         _train(engine, train, 0, 3)  # steps 2 and 3 are sparse: error feedback held back
         error, momentum = _scape_totals(engine)
         save_checkpoint(engine, ckpt, 3, dict(step=3))
@@ -161,7 +162,7 @@ def _worker_changed_settings(rank, world_size, tmp_path, ckpt, phase):
     out = {}
     for name, changed in [("sparsity", dict(sparsity=0.9)),
                           ("all three", dict(sparsity=0.9, chunk_size=128, mask_refresh_interval=6))]:
-        engine = _engine(_config("scape.json", **{**_SAVED, **changed}))
+        engine = _engine(_config("scape_coordinate.json", **{**_SAVED, **changed}))
         tag, client = load_checkpoint(engine, ckpt)
         loaded = (_params(engine), *_scape_totals(engine), engine.optimizer.mask_offsets())
         losses = _train(engine, train, 3, 7)  # the first step is a dense refresh with new masks
@@ -274,7 +275,8 @@ def test_deepspeeds_own_save_and_load_hold_every_ranks_state(tmp_path):
 
 # ---------------------------------------------------------------- a save killed half way
 def _small_engine():
-    return _engine(_config("scape.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024))
+    cfg = _config("scape_coordinate.json", chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024)
+    return _engine(cfg)
 
 
 def _trained_and_saved(rank, ckpt, steps):
@@ -480,7 +482,7 @@ def test_cpu_engine_skips_deepspeeds_unused_shm_op_build(tmp_path):
 def test_unsupported_combinations_fail_at_initialize(edit, message):
     import scape_ds
 
-    cfg = _config("scape.json")
+    cfg = _config("scape_coordinate.json")
     edit(cfg)
     with pytest.raises(ValueError, match=None) as err:
         scape_ds.initialize(model=torch.nn.Linear(4, 4), config=cfg)

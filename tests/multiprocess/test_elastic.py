@@ -33,7 +33,7 @@ SCAPE = dict(chunk_size=256, mask_refresh_interval=4, dense_numel_threshold=1024
 def _run_config(name: str) -> dict:
     if name == "dense":
         return _config("dense_adams.json")
-    return _config("scape.json", sparsity=0.99 if name == "scape99" else 0.0, **SCAPE)
+    return _config("scape_coordinate.json", sparsity=0.99 if name == "scape99" else 0.0, **SCAPE)
 
 
 def _eval_loss(engine) -> float:

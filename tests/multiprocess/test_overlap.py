@@ -190,7 +190,7 @@ def test_overlap_resumes_exactly_mid_run(tmp_path):
 
 
 # ---------------------------------------------------------------- through DeepSpeed's engine
-def _worker_engine(rank, world_size, tmp_path, gas, config="scape.json", scape_extra=None):
+def _worker_engine(rank, world_size, tmp_path, gas, config="scape_coordinate.json", scape_extra=None):
     """7 steps through scape_ds.initialize with ``config`` (its "scape" block updated by
     ``scape_extra``), without and with overlap. Returns whether parameters and losses are the same bits,
     and (buckets started in backward, buckets, whether the forward is hooked) of the overlapped run."""
@@ -234,7 +234,7 @@ def _worker_engine(rank, world_size, tmp_path, gas, config="scape.json", scape_e
 @pytest.mark.parametrize("gas", [1, 2])
 def test_overlap_through_the_engine(tmp_path, gas):
     # scape_ds.initialize hooks the model's forward and DeepSpeed's accumulation boundary
-    for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas, "scape.json",
+    for equal, (early, n_buckets, hooked) in run_ranks(_worker_engine, 2, tmp_path, gas, "scape_coordinate.json",
                                                        dict(mask_refresh_interval=3)):
         assert equal and hooked and early == n_buckets > 1, (equal, early, n_buckets, hooked)
 

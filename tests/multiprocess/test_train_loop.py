@@ -46,7 +46,7 @@ def test_opening_line_names_the_overlap(tmp_path):
     assert "SCAPE dct sparsity 0.99" in line and "overlap" not in line, line
 
 
-@pytest.mark.parametrize("config", ["scape.json", "scape_hier.json", "scape_dct.json"])
+@pytest.mark.parametrize("config", ["scape_coordinate.json", "scape_hier.json", "scape_dct.json"])
 def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_path, config):
     steps = 3
     (calls0, s0), (calls1, s1) = run_ranks(_worker, 2, tmp_path, steps, config, timeout_s=120)
@@ -90,7 +90,7 @@ def test_dct_resume_across_sparsity_trains_on_and_another_basis_is_refused(tmp_p
     assert [c for c, _ in resumed] == [[(3, 3), (4, 4)]] * 2
     assert math.isfinite(resumed[0][1]["final_loss"])
     with pytest.raises(AssertionError, match="saved with scape.basis 'dct', this run has 'coordinate'"):
-        run_ranks(_worker, 2, tmp_path / "c", 4, "scape.json", ("--load", ckpt), timeout_s=120)
+        run_ranks(_worker, 2, tmp_path / "c", 4, "scape_coordinate.json", ("--load", ckpt), timeout_s=120)
 
 
 def _zero_params(step, engine):

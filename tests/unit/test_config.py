@@ -127,6 +127,27 @@ def test_every_bundled_ds_config_has_a_valid_scape_block():
             parse_scape_config(block)  # raises on a bad field
 
 
+def test_every_shipped_scape_config_runs_the_dct_basis_but_its_coordinate_twins():
+    """A user who copies a SCAPE config gets the parity mode; the coordinate basis only where the name
+    says so (``*_coordinate.json``), and every such config keeps a dct twin or is the top-k baseline."""
+    import glob
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs")
+    scape = {}
+    for path in sorted(glob.glob(os.path.join(root, "*.json"))):
+        with open(path) as f:
+            cfg = json.load(f)
+        if "scape" in cfg or cfg.get("optimizer", {}).get("type") == "ScapeAdamS":
+            scape[os.path.basename(path)] = parse_scape_config(cfg.get("scape")).basis
+    assert len(scape) >= 20
+    for name, basis in scape.items():
+        assert basis == ("coordinate" if name.endswith("_coordinate.json") else "dct"), (name, basis)
+    twins = {n.replace("_coordinate", "") for n in scape if n.endswith("_coordinate.json")}
+    assert twins - set(scape) == {"scape.json", "scape_overlap.json", "scape_s90.json", "topk.json"}
+
+
 # ---------------------------------------------------------------- issue 35: strict types, misspelled block
 @pytest.mark.parametrize("block,needle", [
     ({"sparsity": "0.99"}, 'scape.sparsity: Input should be a valid number, got "0.99" (a JSON string)'),
