@@ -31,8 +31,9 @@ from scape_ds.spawn import run_ranks
 def _worker(rank, world, tmp_path, args) -> dict:
     """Both rows on this rank, alternating in blocks; returns their step and optimizer.step times."""
     from scape_ds.data import build_datasets, get_batch
+    from scape_ds.exchange import coefficients, node
     from scape_ds.models import GPT, GPTConfig
-    from scape_ds.optim import ScapeAdamS, dct_step
+    from scape_ds.optim import ScapeAdamS
 
     train, _ = build_datasets()
     runs = {}
@@ -50,8 +51,8 @@ def _worker(rank, world, tmp_path, args) -> dict:
             return out
         return wrapper
 
-    dct_step.to_coefficients = timed(dct_step.to_coefficients, "transform")
-    dct_step.from_coefficients = timed(dct_step.from_coefficients, "transform")
+    node.to_coefficients = timed(node.to_coefficients, "transform")  # the error feedback's transform
+    coefficients.from_coefficients = timed(coefficients.from_coefficients, "transform")  # the decode
     for name, scape in rows:
         torch.manual_seed(0)
         model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))

@@ -1,7 +1,7 @@
 """``scape.overlap`` with ``basis "dct"``: the exchange of the sent coefficients under the next forward
 (docs/design.md, "Overlap").
 
-Without overlap the DCT step (:func:`~scape_ds.optim.dct_step.exchange_dct`) transforms the gradient,
+Without overlap the DCT step (:func:`~scape_ds.exchange.coefficients.exchange_dct`) transforms the gradient,
 takes each rank's top coefficients, all-gathers them, sums, decodes and moves every parameter, all
 inside ``optimizer.step()``. Nothing of it can start in backward as ds_configs/scape_dct.json runs it:
 ``clip_local`` scales the local gradient by the norm of all of it, known only when backward ends,
@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
+from ..exchange.coefficients import add_per_rank, all_gather_int16_async, pick_per_rank
 from ..exchange.core import ValuesInFlight
-from .dct_step import add_per_rank, all_gather_int16_async, apply_update, pick_per_rank
+from .dct_step import apply_update
 
 __all__ = ["DctBucket", "plan_dct_buckets", "DctOverlap"]
 

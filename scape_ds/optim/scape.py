@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from ..comm import Communicator, build_dp_communicators, collective_bytes, collective_device
 from ..config import ScapeConfig, basis_mismatch, parse_scape_config
 from ..exchange.basis import TileLayout, dct_matrix
+from ..exchange.coefficients import HeldMask, decode_dct, exchange_dct, next_mask_from_momentum, square_norm_fp64
 from ..exchange.core import MaskSchedule, PendingMasks, check_same_layout, owe_decay, settle_decay, step_comm_stats
 from ..exchange.layout import FlatLayout, split_dense_sparse
 from ..exchange.masks import offsets_to_index, random_offsets, select_mask
@@ -53,7 +54,7 @@ from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
 from .dct_overlap import DctOverlap
-from .dct_step import HeldMask, apply_update, decode_dct, exchange_dct, next_mask_from_momentum, square_norm_fp64
+from .dct_step import dct_update
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -351,9 +352,10 @@ class ScapeAdamS(Optimizer):
         return loss
 
     def _step_dct(self, t: int) -> None:
-        """basis "dct" (``dct_step.py``): every step exchanges this step's top coefficients; every rank
-        holds the same mean coefficients and moves every parameter by them (``dct_update``); the dense
-        tensors take AdamS on their all-reduced mean, as in the coordinate basis."""
+        """basis "dct" (the exchange: ``exchange/coefficients.py``; the update: ``dct_step.py``): every
+        step exchanges this step's top coefficients; every rank holds the same mean coefficients and
+        moves every parameter by them (``dct_update``); the dense tensors take AdamS on their
+        all-reduced mean, as in the coordinate basis."""
         meter, cfg = self.comm.meter, self.cfg
         by_momentum = cfg.mask == "shared" and cfg.mask_source == "momentum"
         # mask_source "momentum": its refresh steps, and a step with no mask kept (resumed from another source)
@@ -384,7 +386,7 @@ class ScapeAdamS(Optimizer):
         for group, gs, (signal, dense_g) in zip(self.param_groups, self._groups, signals):
             self._update_group(group, gs, None, dense_g, scale, False)  # the dense tensors
             if signal is not None:
-                self._dct_update(group, gs, signal, scale, t)
+                dct_update(self.cfg.dct_update, self._kernels, group, gs, signal, scale, t)
             inter, intra = self._dense_bytes(gs)
             meter.record_dense(inter)
             if self._node.meter is not None:
@@ -392,28 +394,6 @@ class ScapeAdamS(Optimizer):
         stats = step_comm_stats(meter, t, False, self._node.meter)
         if cfg.log_comm:
             self.comm_stats = stats
-
-    def _dct_update(self, group, gs: _GroupState, signal: torch.Tensor, scale: float, t: int) -> None:
-        """Move the flat parameters by ``signal``, alike on every rank: "sign" (DeMo; scale-free, so no
-        clipping) and "adams" take the decoded mean u (N_pad,); "adams_coef" takes the mean coefficients
-        (numel,), runs AdamS there (its momentum in coefficients) and decodes the step."""
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        if self.cfg.dct_update in ("sign", "rms", "signum"):
-            parts = list(zip(gs.layout.offsets, gs.layout.numels))
-            apply_update(self.cfg.dct_update, gs.flat_param, signal, gs.momentum, parts, lr, wd, beta1)
-            return
-        hyper = dict(grad_scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                     bias_correction=1.0 - beta1**t if group["bias_correction"] else 1.0)
-        if self.cfg.dct_update == "adams":
-            self._kernels.dense_adams_update(gs.flat_param, gs.momentum, signal, None, weight_decay=wd, **hyper)
-            return
-        # "adams_coef": AdamS on the rotated parameters; its step is delta = -lr m_hat / denom, formed on
-        # zeros (numel,) and decoded into the gradient buffer; the decoupled decay stays in real space
-        delta = torch.zeros_like(signal)  # (numel,) fp32
-        self._kernels.dense_adams_update(delta, gs.momentum, signal, None, weight_decay=0.0, **hyper)
-        step = decode_dct(gs.tiles, delta, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,)
-        gs.flat_param.mul_(1.0 - lr * wd).add_(step)
 
     def _clip_local(self) -> None:
         """``scape.clip_local``: scale this rank's own gradients (every param group, before error

@@ -2,7 +2,7 @@
 
 ``scape_ds.zero3.ScapeStage3`` holds one :class:`Stage3DctExchange` (in place of the coordinate
 basis's :class:`~scape_ds.exchange.stage3.Stage3Exchange`, which it extends) and dispatches to it; this
-module imports nothing of DeepSpeed. The exchange is stage 0/1's (:mod:`scape_ds.optim.dct_step`,
+module imports nothing of DeepSpeed. The exchange is stage 0/1's (:mod:`scape_ds.exchange.coefficients`,
 reused as it is, with the same communicator and byte meter); only where the gradients come from and
 where the decoded mean goes differ (docs/design.md, "Transform basis" and "Path B").
 
@@ -53,12 +53,12 @@ import torch
 
 from ..config import ScapeConfig, basis_mismatch
 from ..exchange.basis import TileLayout, dct_matrix
+from ..exchange.coefficients import HeldMask, decode_dct, exchange_dct, next_mask_from_momentum, square_norm_fp64
 from ..exchange.core import step_comm_stats
 from ..exchange.layout import FlatLayout
 from ..exchange.pieces import pack_for_reduce_scatter, real_numel
 from ..exchange.stage3 import Stage3Exchange
 from ..kernels import get_kernels
-from .dct_step import HeldMask, decode_dct, exchange_dct, next_mask_from_momentum, square_norm_fp64
 
 __all__ = ["Stage3DctExchange", "PartitionStep", "dct_stage3_refusal", "move_by_signal"]
 

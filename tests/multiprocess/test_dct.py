@@ -1,6 +1,6 @@
 """basis "dct" on 2-4 gloo ranks: replicas, error feedback in coefficients, density 0, resume, clipping.
 
-The oracles are computed here, independently of ``dct_step.py``: the coefficients of each rank's
+The oracles are computed here, independently of ``exchange/coefficients.py``: the coefficients of each rank's
 gradient by scipy-checked ``dct_matrix`` in fp64, what each rank sent read off its communicator, the
 union of nominations by a plain loop, dense AdamS by ``AdamS`` on the all-reduced gradient.
 """

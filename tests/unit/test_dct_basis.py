@@ -12,8 +12,8 @@ import torch
 
 from scape_ds.config import parse_scape_config
 from scape_ds.exchange.basis import TileLayout, dct_matrix, from_coefficients, to_coefficients
+from scape_ds.exchange.coefficients import union_slots
 from scape_ds.kernels import torch_kernels as tk
-from scape_ds.optim.dct_step import union_slots
 
 
 @pytest.mark.parametrize("n", [4, 16, 64])

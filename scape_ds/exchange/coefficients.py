@@ -1,0 +1,247 @@
+"""The exchange of ``scape.basis = "dct"``: error feedback, masks and the decoded mean in DCT coefficients.
+
+On data-parallel rank r, per step (docs/design.md, "Transform basis"; :mod:`scape_ds.exchange.basis`
+has the tiles):
+
+  1. ``e_r = ef_decay * e_r + Q g_r``: the local gradient's tile coefficients enter the error feedback.
+  2. the mask, by default chosen from this step's ``e`` (a mask chosen before the send points at the
+     coefficients the last send emptied: 1.34x dense AdamW's loss in the reference harness, 1.27x
+     DeMo's at 500 steps here with ``mask_early``):
+     - ``mask="per_rank"`` (DeMo, arXiv 2411.19870): rank r's own top-kc ``|e_r|`` of each tile; its
+       values and 16-bit in-tile offsets go out in two all-gathers (D k values and offsets received);
+     - ``mask="shared"`` (the nominated union): rank r nominates its top max(1, kc // D) of each tile,
+       the offsets are all-gathered, and the union of every rank's nominations is the mask for every
+       rank; the values travel packed (D * (kc // D) slots per tile, a repeated offset counted once
+       and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
+       ``mask_source="owner"``: the owner of each tile alone chooses its top kc from its own ``e_r``
+       and the offsets are all-gathered; then the same reduce-scatter and all-gather of values.
+       ``mask_source="momentum"`` (SCAPE's own source, in coefficients): each tile's owner keeps a
+       first moment m of the reduced mean coefficients of its tiles (lazy: updated where they were
+       sent; every coefficient on the dense steps of ``mask_refresh_interval``) and after each step
+       chooses the next step's mask as its top kc of ``|m|`` (one step early), offsets all-gathered.
+       ``mask_hold=T``: a shared mask, once chosen, serves T steps (its offsets travel once);
+       ``mask_early``: the mask of the next T steps is chosen on the last step of these, from that
+       step's ``e`` before its send (SCAPE's delay: the offsets could travel under compute). Both are
+       there to be measured (bench/RESULTS.md, "Shared-mask sources"), off by default.
+  3. what was sent leaves ``e_r`` (``e_r[mask] = 0``): sent + kept == accumulated, coefficient by
+     coefficient.
+  4. every rank sums the received values in the same order into a (numel,) coefficient vector, divides
+     by D and decodes it tile by tile (``Q^T Y Q``) into u, the same dense tensor on every rank.
+
+The caller moves the parameters by u (:mod:`scape_ds.optim.dct_step`: sign, rms, signum or AdamS),
+alike on every rank, so replicas stay bitwise equal without a parameter all-gather. Stage 0/1
+(:class:`~scape_ds.optim.ScapeAdamS`, flat or under ``hierarchy "node"``), ZeRO-3
+(:mod:`scape_ds.optim.stage3_dct`) and the overlapped exchange (:mod:`scape_ds.optim.dct_overlap`)
+all call this one exchange.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Communicator
+from .basis import TileLayout, from_coefficients
+from .masks import offsets_to_index
+from .node import FlatStage, NodeStage
+
+__all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
+           "add_per_rank", "square_norm_fp64", "all_gather_int16_async"]
+
+
+@dataclass
+class HeldMask:
+    """A shared mask kept for later steps (``mask_hold`` > 1 or ``mask_early``)."""
+
+    index: torch.Tensor  # (n_chunks * slots,) int64 coefficient indices, chunk-major
+    repeated: torch.Tensor | None  # (n_chunks * slots,) bool, slots that repeat an offset (sent as 0)
+    uses_left: int  # steps this mask still serves
+
+    def state(self) -> dict:
+        return dict(index=self.index.clone(), repeated=None if self.repeated is None else self.repeated.clone(),
+                    uses_left=self.uses_left)
+
+    @classmethod
+    def from_state(cls, saved: dict, device) -> "HeldMask":
+        repeated = saved["repeated"]
+        return cls(saved["index"].to(device), None if repeated is None else repeated.to(device), saved["uses_left"])
+
+
+def union_slots(nominated: torch.Tensor, n_chunks: int, world_size: int, per_rank: int,
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared mask from every rank's nominations.
+
+    Args:
+        nominated: (D * n_chunks * K,) int16 in-chunk offsets, rank-major (the all-gather's output).
+
+    Returns:
+        index: (n_chunks, D * K) int64 coefficient indices, chunk-major (slot j of a chunk: rank j // K's
+            nomination j % K);
+        repeated: (n_chunks, D * K) bool, True where a slot repeats an offset an earlier slot of its
+            chunk already holds (sent as 0, so the union's values are counted once).
+    """
+    local = nominated.view(world_size, n_chunks, per_rank).permute(1, 0, 2).reshape(n_chunks, -1)
+    local = local.to(torch.int64).contiguous() & 0xFFFF  # (n_chunks, D K) offsets in 0..C-1
+    ordered, order = local.sort(dim=1, stable=True)  # equal offsets: the earliest slot first
+    later = torch.zeros_like(local, dtype=torch.bool)
+    later[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    repeated = torch.zeros_like(later).scatter_(1, order, later)  # back to slot order
+    base = torch.arange(n_chunks, dtype=torch.int64, device=local.device).unsqueeze(1) * chunk_size
+    return local + base, repeated
+
+
+def pick_per_rank(kernels, error: torch.Tensor, chunk_size: int, k_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask="per_rank"``: this rank's top-kc ``|error|`` of each tile of ``error`` (a view of whole
+    tiles), taken out of it (``error[mask] = 0``). Returns (k,) int16 in-tile offsets and (k,) values."""
+    offsets = kernels.chunk_topk(error, chunk_size, k_per_chunk)  # (n_chunks kc,) int16
+    index = offsets_to_index(offsets, chunk_size, k_per_chunk)  # (k,) int64
+    values = error.index_select(0, index)  # (k,) fp32: what this rank sends
+    error.index_fill_(0, index, 0.0)
+    return offsets, values
+
+
+def add_per_rank(mean: torch.Tensor, all_values: torch.Tensor, all_offsets: torch.Tensor, world_size: int,
+                 chunk_size: int, k_per_chunk: int) -> None:
+    """``mask="per_rank"``: add every rank's sent values (``all_values`` (D k,), ``all_offsets`` (D k,)
+    int16, rank-major, of the tiles ``mean`` covers) into ``mean``, in rank order: the same sum on every
+    rank (no offset repeats inside one rank's part)."""
+    k = all_values.numel() // world_size
+    for r in range(world_size):
+        part = slice(r * k, (r + 1) * k)
+        mean.index_add_(0, offsets_to_index(all_offsets[part], chunk_size, k_per_chunk), all_values[part])
+
+
+def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """||t||^2 summed in fp64, a block at a time (no fp64 copy of a whole gradient buffer: N elements,
+    8 N bytes and a pass over them), as a 0-d fp64 tensor on ``t``'s device: the caller syncs once."""
+    norms = [torch.linalg.vector_norm(part, dtype=torch.float64) for part in t.reshape(-1).split(block)]
+    return torch.stack(norms).square().sum()
+
+
+def _int16_as_bytes(comm: Communicator, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit offsets travel as their bytes (gloo has no int16): the (2 D n,) uint8 output of their
+    all-gather and the (2 n,) uint8 view of ``offsets`` to send."""
+    out = torch.empty(comm.world_size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)
+    return out, offsets.contiguous().view(torch.uint8)
+
+
+def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
+    """All-gather 16-bit offsets: (n,) -> (D n,) int16."""
+    out, send = _int16_as_bytes(comm, offsets)
+    comm.all_gather(out, send, "index_ag")
+    return out.view(torch.int16)
+
+
+def all_gather_int16_async(comm: Communicator, offsets: torch.Tensor):
+    """:func:`_all_gather_int16`, asynchronously: the (D n,) int16 output, valid once the returned
+    handle is waited for, and the handle."""
+    out, send = _int16_as_bytes(comm, offsets)
+    return out.view(torch.int16), comm.all_gather_async(out, send, "index_ag")
+
+
+def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
+                   uses: int) -> HeldMask:
+    """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
+    all-gathered: one shared mask, kc slots per tile."""
+    chosen = kernels.chunk_topk(scores, chunk_size, k_per_chunk)  # (S/C kc,) int16
+    all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+    return HeldMask(offsets_to_index(all_chosen, chunk_size, k_per_chunk), None, uses)  # (n_chunks kc,) int64
+
+
+def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, k_per_chunk: int,
+                   mask_source: str, uses: int) -> HeldMask:
+    """The one shared mask from this rank's ``error`` as it is now (its offsets all-gathered)."""
+    C, D, n_chunks = tiles.chunk_size, comm.world_size, tiles.n_chunks
+    if mask_source == "owner":  # each tile's owner chooses from its own accumulator
+        own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
+        return _owners_choice(comm, kernels, C, own, k_per_chunk, uses)
+    K = max(1, k_per_chunk // D)
+    nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
+    all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
+    index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
+    return HeldMask(index.view(-1), repeated.view(-1), uses)  # chunk-major, so shard-major
+
+
+def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, momentum: torch.Tensor,
+                            mean: torch.Tensor, sent: HeldMask | None, beta: float, k_per_chunk: int) -> HeldMask:
+    """``mask_source="momentum"``, after a step: the owner's first moment ``momentum`` ((S,) fp32, its
+    shard of coefficients) takes this step's ``mean`` ((numel,), the same on every rank) where it was
+    sent (``sent``'s indices; every coefficient when ``sent`` is None, a dense step), and each owner's
+    top kc of ``|momentum|`` per tile, all-gathered, is the mask of the next step."""
+    S, lo = tiles.shard_numel, comm.rank * tiles.shard_numel
+    mine = mean[lo : lo + S]  # (S,) view
+    if sent is None:
+        momentum.lerp_(mine, 1.0 - beta)
+    else:
+        local = sent.index[(sent.index >= lo) & (sent.index < lo + S)] - lo  # (slots,) this shard's
+        momentum.index_copy_(0, local, torch.lerp(momentum[local], mine[local], 1.0 - beta))
+    return _owners_choice(comm, kernels, tiles.chunk_size, momentum, k_per_chunk, 1)
+
+
+def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
+                 q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
+                 mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
+                 held: HeldMask | None = None, dense: bool = False,
+                 node: FlatStage | NodeStage | None = None) -> tuple[torch.Tensor, HeldMask | None]:
+    """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
+    gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
+    (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
+    shared mask to keep for the next step (None when the next step chooses afresh).
+
+    ``held``: the shared mask kept by the last step (mask "shared" with ``mask_hold`` > 1,
+    ``mask_early`` or ``mask_source="momentum"``, which must have one unless ``dense``). ``dense``
+    (mask "shared"): every coefficient is sent, as at sparsity 0. Allocates that (numel,) vector (the
+    one buffer of the model's size a step needs) and the packed values and offsets (O(D k)).
+
+    ``node`` (hierarchy "node", :class:`~scape_ds.exchange.node.NodeStage`): ``error`` is this rank's
+    slice of the coefficients ((numel/G,)); the node sum of the slice's coefficients enters it, ``comm``
+    (the cross-node group of M ranks) exchanges the slice, the mean is over all G M ranks, and the
+    slices' means are gathered over the node into the (numel,) mean returned.
+    """
+    node = node or FlatStage()
+    tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
+    C, D = tiles.chunk_size, comm.world_size
+    node.accumulate_coefficients(tiles_all, grad, error, q, kernels, ef_decay)  # e = decay * e + Q g
+    mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
+    keep = None
+    if mask == "per_rank":
+        offsets, values = pick_per_rank(kernels, error, C, k_per_chunk)  # (k,) int16, (k,) fp32
+        all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k,)
+        comm.all_gather(all_values, values, "grad_ag")
+        all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
+        add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
+    elif mask == "shared":
+        if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel
+            index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
+            values = error.clone()  # (numel,)
+        else:
+            fresh = held is None or held.uses_left <= 0
+            if fresh and mask_source == "momentum":
+                raise RuntimeError("mask_source 'momentum': a sparse step without the mask chosen after the "
+                                   "last one")
+            now = _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold) if fresh else held
+            if mask_early and now.uses_left == 1:  # the next mask, from e before this step's send
+                keep = (HeldMask(now.index, now.repeated, mask_hold) if fresh  # chosen from this same e
+                        else _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold))
+            now.uses_left -= 1
+            if keep is None and now.uses_left > 0:
+                keep = now
+            index = now.index  # (n_chunks slots,) int64
+            values = error.index_select(0, index)  # (n_chunks slots,)
+            if now.repeated is not None:
+                values.masked_fill_(now.repeated, 0.0)
+        error.index_fill_(0, index, 0.0)
+        owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
+        comm.reduce_scatter(owned, values, "grad_rs")
+        comm.all_gather(values, owned, "grad_ag")  # every shard's sums, the same bits on every rank
+        mean.index_add_(0, index, values)  # a repeated slot adds 0
+    else:
+        raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
+    return node.gather_coefficients(mean.div_(D * node.size)), keep
+
+
+def decode_dct(tiles: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> torch.Tensor:
+    """Step 4's decode: ``coef`` ((numel,) coefficients) to parameter space, written into ``out``
+    ((N_pad,), e.g. the consumed gradient buffer) and returned."""
+    from_coefficients(tiles, coef, out, q, kernels)
+    return out
