@@ -208,6 +208,14 @@ class ScapeConfig(BaseModel):
     AdamS on the DCT-rotated parameters). At 0.99 ``adams`` reached 1.73x dense AdamW and ``adams_coef``
     1.84x (bench/RESULTS.md), against 0.996x for ``sign``."""
 
+    value_bits: Literal[32, 8, 4] = 32
+    """``basis="dct"``, ``mask="per_rank"``: bits per sent coefficient value on the wire. 32: fp32. 8 or
+    4: each tile's kc values scaled by their absmax to signed integers (+-127, +-7), one fp32 scale per
+    tile, in one uint8 all-gather; what the rounding loses stays in the error feedback (sent + kept ==
+    accumulated, with the decoded value as what was sent). Bytes per sent coefficient, its 16-bit offset
+    included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). Its
+    quality is not yet measured on the bench (bench/RESULTS.md)."""
+
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).
     DeMo's reference runs clip so (1.0); ``gradient_clipping`` in the DeepSpeed config clips the
@@ -357,6 +365,12 @@ class ScapeConfig(BaseModel):
             if self.hierarchy == "node" and self.mask_source == "momentum":
                 raise ValueError("mask_source 'momentum' is built for hierarchy 'flat' (its owners' first moment "
                                  "lives on the flat shards); use mask_source 'union' or 'owner' with hierarchy 'node'")
+        if self.value_bits != 32:
+            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if bad:
+                raise ValueError(f"value_bits {self.value_bits} codes the values of basis 'dct''s per-rank "
+                                 f"exchange: " + ", ".join(bad))
         if self.mask_hold < 1:
             raise ValueError(f"mask_hold must be >= 1 (steps one shared mask serves), got {self.mask_hold}")
         if self.mask_source == "momentum" and (self.mask_hold != 1 or self.mask_early):

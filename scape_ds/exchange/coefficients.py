@@ -44,6 +44,7 @@ from ..comm import Communicator
 from .basis import TileLayout, from_coefficients
 from .masks import offsets_to_index
 from .node import FlatStage, NodeStage
+from .quantize import decode_values, encode_values
 
 __all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
            "add_per_rank", "square_norm_fp64", "all_gather_int16_async"]
@@ -139,6 +140,20 @@ def all_gather_int16_async(comm: Communicator, offsets: torch.Tensor):
     return out.view(torch.int16), comm.all_gather_async(out, send, "index_ag")
 
 
+def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor,
+                      chunk_size: int, k_per_chunk: int, bits: int) -> torch.Tensor:
+    """``value_bits`` < 32: code this rank's (k,) ``values`` per tile, keep what the coding loses in
+    ``error`` at their ``offsets`` (emptied by :func:`pick_per_rank`), all-gather the uint8 payloads
+    and return every rank's decoded values, (D k,) fp32, the same bits on every rank."""
+    payload = encode_values(values, k_per_chunk, bits)  # (L,) uint8
+    sent = decode_values(payload, values.numel(), k_per_chunk, bits)  # (k,) what every rank will add
+    error.index_copy_(0, offsets_to_index(offsets, chunk_size, k_per_chunk), values - sent)
+    every = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (D L,)
+    comm.all_gather(every, payload, "grad_ag")
+    return torch.cat([decode_values(part, values.numel(), k_per_chunk, bits)
+                      for part in every.view(comm.world_size, -1)])
+
+
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
                    uses: int) -> HeldMask:
     """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
@@ -181,8 +196,8 @@ def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, mome
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
                  mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
-                 held: HeldMask | None = None, dense: bool = False,
-                 node: FlatStage | NodeStage | None = None) -> tuple[torch.Tensor, HeldMask | None]:
+                 held: HeldMask | None = None, dense: bool = False, node: FlatStage | NodeStage | None = None,
+                 value_bits: int = 32) -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
@@ -197,6 +212,9 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     slice of the coefficients ((numel/G,)); the node sum of the slice's coefficients enters it, ``comm``
     (the cross-node group of M ranks) exchanges the slice, the mean is over all G M ranks, and the
     slices' means are gathered over the node into the (numel,) mean returned.
+
+    ``value_bits`` 8 or 4 (mask "per_rank"): the values travel coded per tile
+    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``.
     """
     node = node or FlatStage()
     tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
@@ -206,8 +224,11 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     keep = None
     if mask == "per_rank":
         offsets, values = pick_per_rank(kernels, error, C, k_per_chunk)  # (k,) int16, (k,) fp32
-        all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k,)
-        comm.all_gather(all_values, values, "grad_ag")
+        if value_bits == 32:
+            all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k,)
+            comm.all_gather(all_values, values, "grad_ag")
+        else:
+            all_values = _all_gather_coded(comm, error, offsets, values, C, k_per_chunk, value_bits)  # (D k,)
         all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
         add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
     elif mask == "shared":

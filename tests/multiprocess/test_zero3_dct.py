@@ -128,7 +128,8 @@ def _worker_sparse(rank, world_size, tmp_path, steps, exchange, bf16, scape):
 
 @pytest.mark.parametrize("exchange,bf16,scape", [
     ("dense", False, {}), ("sparse_replica", False, dict(dct_update="rms")), ("dense", True, dict(mask="shared")),
-], ids=["dense", "sparse_replica-rms", "dense-bf16-shared"])
+    ("sparse_replica", False, dict(value_bits=8)),
+], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit"])
 def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16, scape):
     results = run_ranks(_worker_sparse, 2, tmp_path, 10, exchange, bf16, scape)
     for r in results:
@@ -150,6 +151,8 @@ def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16
         # (3) bytes per step, by hand (D = 2, kc = round(0.01 * 256) = 3 of each tile's 256 coefficients)
         if scape.get("mask") == "shared":  # K = kc // D = 1 nomination per tile and rank
             exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_rs": 64 * 2 * 4 // 2, "grad_ag": 64 * 1 * 4}
+        elif scape.get("value_bits") == 8:  # per_rank, each value one byte plus one fp32 scale per tile
+            exchange_bytes = {"grad_ag": 64 * 3 * 1 + 64 * 4, "index_ag": 64 * 3 * 2}
         else:  # per_rank: every rank's 64 x 3 values (fp32) and in-tile offsets (int16) all-gathered
             exchange_bytes = {"grad_ag": 64 * 3 * 4, "index_ag": 64 * 3 * 2}
         # the dense tensors' 448 fp32 gradients: stage 1 all-reduces them, ZeRO-3 reduce-scatters their

@@ -135,3 +135,36 @@ def test_union_slots_with_one_nomination_per_rank_is_contiguous():
     index, repeated = union_slots(nominated, n_chunks=2, world_size=2, per_rank=1, chunk_size=8)
     assert index.view(-1).tolist() == [3, 3, 12, 13]
     assert repeated.view(-1).tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("bits,qmax", [(8, 127), (4, 7)])
+def test_coded_values_round_within_half_a_step_and_keep_zero_tiles(bits, qmax):
+    from scape_ds.exchange.quantize import decode_values, encode_values, payload_numel
+
+    torch.manual_seed(0)
+    kc = 5
+    values = torch.randn(3 * kc) * torch.tensor([1e-3, 1.0, 0.0]).repeat_interleave(kc)  # the last tile all 0
+    payload = encode_values(values, kc, bits)
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_numel(values.numel(), kc, bits)
+    assert payload.numel() == (15 if bits == 8 else 8) + 3 * 4  # codes (two nibbles a byte, padded), fp32 scales
+    decoded = decode_values(payload, values.numel(), kc, bits)
+    step = values.view(3, kc).abs().amax(dim=1) / qmax  # each tile's scale
+    err = (values - decoded).view(3, kc).abs()
+    assert bool((err <= step.unsqueeze(1) / 2 + 1e-12).all())
+    assert decoded[2 * kc:].eq(0).all()
+    # the largest value of a tile is sent exactly (its code is +-qmax)
+    for t in range(2):
+        i = int(values[t * kc:(t + 1) * kc].abs().argmax()) + t * kc
+        assert torch.isclose(decoded[i], values[i], rtol=1e-6)
+
+
+def test_value_bits_is_for_the_per_rank_dct_exchange():
+    assert parse_scape_config(dict(basis="dct", value_bits=8)).value_bits == 8
+    with pytest.raises(ValueError, match="value_bits 8 codes the values of basis 'dct''s per-rank exchange: basis"):
+        parse_scape_config(dict(value_bits=8))
+    with pytest.raises(ValueError, match="mask 'shared' \\(needs 'per_rank'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", value_bits=4))
+    with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
+        parse_scape_config(dict(basis="dct", overlap=True, value_bits=8))
+    with pytest.raises(ValueError, match="scape.value_bits"):
+        parse_scape_config(dict(basis="dct", value_bits=16))

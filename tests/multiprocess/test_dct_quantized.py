@@ -1,0 +1,85 @@
+"""``scape.value_bits`` 8 and 4 (basis "dct", per_rank) on 2 and 4 gloo ranks.
+
+The oracles are computed here: Q g in fp64 (``_logged_step``), and what each rank sent decoded from the
+bytes its communicator moved by a plain loop over the payload (codes, then little-endian fp32 scales),
+independently of ``scape_ds.exchange.quantize``; the bytes of each collective counted by hand.
+"""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scape_ds.comm import collective_bytes
+from scape_ds.optim import ScapeAdamS
+
+from .harness import run_ranks
+from .models import flat_params, make_mlp
+from .test_dct import SCAPE, RecordingCommunicator, _logged_step, _offsets_of
+
+pytestmark = pytest.mark.timeout(300)
+
+C = 256
+
+
+def _decode_by_loop(payload: torch.Tensor, n: int, kc: int, bits: int) -> list[float]:
+    """The n values a payload carries: code - (qmax + 1), times its tile's fp32 scale."""
+    raw = bytes(payload.tolist())
+    qmax = 127 if bits == 8 else 7
+    n_codes = n if bits == 8 else (n + 1) // 2
+    if bits == 8:
+        codes = list(raw[:n_codes])
+    else:
+        codes = [nib for b in raw[:n_codes] for nib in (b & 0xF, b >> 4)][:n]
+    n_tiles = n // kc
+    scales = struct.unpack(f"<{n_tiles}f", raw[n_codes : n_codes + 4 * n_tiles])
+    return [(codes[i] - (qmax + 1)) * scales[i // kc] for i in range(n)]
+
+
+def _worker(rank, world_size, tmp_path, bits, steps):
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm, scape=dict(SCAPE, value_bits=bits))
+    kc = opt.cfg.k_per_chunk
+    produced = sent = None
+    worst, mismatches, stats, coded_worst = 0.0, 0, [], 0.0
+    for step in range(steps):
+        step_q, log = _logged_step(model, opt, comm, step, rank)
+        if produced is None:
+            produced, sent = torch.zeros_like(step_q), torch.zeros_like(step_q)
+        produced += step_q
+        payload, offsets = log["grad_ag"][0], _offsets_of(log["index_ag"][0])
+        values = torch.tensor(_decode_by_loop(payload, offsets.numel(), kc, bits), dtype=torch.float64)
+        chunk = torch.arange(offsets.numel()) // kc
+        sent.index_add_(0, chunk * C + offsets, values)
+        worst = max(worst, float((sent + opt.error_feedback().double() - produced).abs().max()))
+        # what the coding lost stays at the sent positions: at most half a step of each tile's scale
+        kept = opt.error_feedback().double()[chunk * C + offsets].view(-1, kc)
+        scale = values.view(-1, kc).abs().amax(dim=1, keepdim=True) / (127 if bits == 8 else 7)
+        coded_worst = max(coded_worst, float((kept.abs() - scale / 2).max() / scale.max()))
+        stats.append(dict(opt.comm_stats))
+        params = flat_params(model)
+        every = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(every, params)
+        mismatches += sum(not torch.equal(params, p) for p in every)
+    gs = opt._groups[0]
+    return dict(worst=worst, mismatches=mismatches, stats=stats, coded_worst=coded_worst, kc=kc,
+                numel=gs.tiles.numel, dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
+
+
+@pytest.mark.parametrize("bits,world_size", [(8, 2), (4, 2), (8, 4)])
+def test_coded_values_replicas_error_feedback_and_bytes(tmp_path, bits, world_size):
+    results = run_ranks(_worker, world_size, tmp_path, bits, 6)
+    for r in results:
+        assert r["mismatches"] == 0, "replicas differ"
+        # sent (as decoded by the loop) + kept == accumulated: nothing the coding rounded away is lost
+        assert r["worst"] <= 1e-6 * r["scale"], (r["worst"], r["scale"])
+        assert r["coded_worst"] <= 1e-6, r["coded_worst"]  # |v - q s| <= s / 2 at every sent value
+    r, D = results[0], world_size
+    k = r["numel"] // C * r["kc"]  # this rank's sent coefficients, whole tiles
+    payload = (k if bits == 8 else (k + 1) // 2) + 4 * (r["numel"] // C)
+    for s in r["stats"]:
+        assert s["by_tag"] == {"grad_ag": (D - 1) * payload, "index_ag": (D - 1) * k * 2,
+                               "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]
