@@ -439,9 +439,12 @@ def hier_report(all_res: list[dict], period: int) -> str:
             vs_refresh = f"{flat['refresh_s'] / r['refresh_s']:.2f}x faster" if flat and "refresh_s" in r else ""
             vs_period = f"{period_s(r, period) / period_s(flat, period):.2f}" if flat else ""
             inter_sparse = r.get("sparse_inter", r["bytes"])
+            # a row without refresh steps (basis dct) has no refresh column; dense AdamW's step is its own
+            inter_refresh = (f"{r['refresh_inter'] / 1e6:.2f}" if "refresh_inter" in r
+                             else "" if "sparse_s" in r else f"{r['bytes'] / 1e6:.2f}")
             lines.append(f"| {res['nodes']} x {res.get('ranks_per_node', 1)} | {res['rate']} | {name} | {sparse} | "
                          f"{refresh} | {period_s(r, period) * 1e3:.0f} | {inter_sparse / 1e6:.2f} | "
-                         f"{r.get('refresh_inter', r['bytes']) / 1e6:.2f} | {r.get('sparse_intra', 0) / 1e6:.2f} | "
+                         f"{inter_refresh} | {r.get('sparse_intra', 0) / 1e6:.2f} | "
                          f"{vs_refresh} | {vs_period} | {period_s(r, period) / res['compute_s']:.2f} |")
     return "\n".join(lines)
 
