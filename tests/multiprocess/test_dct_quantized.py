@@ -69,7 +69,7 @@ def _worker(rank, world_size, tmp_path, bits, steps):
                 numel=gs.tiles.numel, dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
 
 
-@pytest.mark.parametrize("bits,world_size", [(8, 2), (4, 2), (8, 4)])
+@pytest.mark.parametrize("bits,world_size", [(8, 2), (4, 2), (8, 4), (4, 8)])
 def test_coded_values_replicas_error_feedback_and_bytes(tmp_path, bits, world_size):
     results = run_ranks(_worker, world_size, tmp_path, bits, 6)
     for r in results:
