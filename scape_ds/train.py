@@ -372,9 +372,14 @@ def _log_line(record: dict) -> str:
     sent, dense = record["bytes_sent"], record["bytes_dense"]
     vl = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
     vl += f" | test loss {record['test_loss']:.4f}" if "test_loss" in record else ""
+    across = ""
+    if record.get("bytes_intra"):  # hierarchy "node": what crossed the slow links, on its own
+        inter, dense_inter = record["bytes_inter"], record["bytes_dense_inter"]
+        across = (f" | across nodes {inter / 1e6:.3f} MB vs dense {dense_inter / 1e6:.3f} MB "
+                  f"({inter / max(dense_inter, 1):.1%})")
     return (f"step {record['step']:5d} | loss {record['loss']:.4f}{vl} | lr {record['lr']:.2e} | "
             f"{record['tokens_per_s']:,.0f} tokens/s | sent {sent / 1e6:.3f} MB vs dense "
-            f"{dense / 1e6:.3f} MB ({sent / max(dense, 1):.1%})")
+            f"{dense / 1e6:.3f} MB ({sent / max(dense, 1):.1%}){across}")
 
 
 def loss_windows(losses: list[float]) -> tuple[int, float, float]:
@@ -498,13 +503,14 @@ def train(args, cfg: dict, on_step: Callable[[int, Any], None] | None = None, wa
                 stats = opt.comm_stats
                 sent, dense = int(stats["bytes_sent"]), int(stats["bytes_dense"])
                 inter, intra = int(stats["bytes_inter"]), int(stats["bytes_intra"])
+                dense_inter = int(stats["bytes_dense_inter"])
             else:  # a dense baseline does not know the topology: every byte counts as inter-node
-                sent = dense = inter = dense_bytes
+                sent = dense = inter = dense_inter = dense_bytes
                 intra = 0
             sent_total += sent
             dense_total += dense
             record = dict(step=step + 1, loss=mean_loss, lr=lr, step_time_s=step_time, bytes_sent=sent,
-                          bytes_dense=dense, bytes_inter=inter, bytes_intra=intra,
+                          bytes_dense=dense, bytes_inter=inter, bytes_intra=intra, bytes_dense_inter=dense_inter,
                           tokens_per_s=tokens_per_step / step_time)
             if on_step is not None:  # first: a baseline's outer step finishes the step it evaluates
                 on_step(step + 1, engine)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from scape_ds.metrics import MetricsWriter
-from scape_ds.train import build_parser, format_summary, loss_windows
+from scape_ds.train import _log_line, build_parser, format_summary, loss_windows
 
 SUMMARY = dict(steps=0, wall_s=12.3, val_loss=2.5, bytes_sent=10_000_000, bytes_dense=100_000_000)
 
@@ -71,3 +71,12 @@ def test_metrics_writer_jsonl_appends_on_resume_and_fills_tensorboard(tmp_path):
 def test_parser_keeps_the_launcher_options():
     args = build_parser().parse_args(["--deepspeed_config", "c.json", "--local_rank=1", "--deepspeed"])
     assert (args.deepspeed_config, args.local_rank, args.train_iters, args.log_interval) == ("c.json", 1, 500, 20)
+
+
+def test_log_line_shows_the_bytes_across_nodes_under_a_hierarchy():
+    record = dict(step=6, loss=4.6, lr=1e-3, tokens_per_s=1000.0, bytes_sent=3_000_000, bytes_dense=4_000_000,
+                  bytes_inter=100_000, bytes_intra=2_900_000, bytes_dense_inter=2_000_000)
+    line = _log_line(record)
+    assert "sent 3.000 MB vs dense 4.000 MB (75.0%) | across nodes 0.100 MB vs dense 2.000 MB (5.0%)" in line
+    flat = _log_line(dict(record, bytes_intra=0))  # a flat run: every byte is inter-node, said once
+    assert "across nodes" not in flat
