@@ -264,13 +264,37 @@ class ScapeConfig(BaseModel):
     queues (and, with bf16 parameters and fp32 error feedback, the per-bucket copies of the wire
     values). 0: no bound."""
 
+    local_steps: int = 1
+    """``basis="dct"``, ZeRO stage 0/1: H, the steps each rank takes with its own ``inner_optimizer``
+    on its own data between exchanges (docs/design.md, "Local steps"; DiLoCo, arXiv 2311.08105). Every
+    H steps the pseudo-gradient (synchronized minus local parameters) goes through the DCT exchange
+    (error feedback in coefficients, ``mask``, ``value_bits``; the dense tensors' by a dense
+    all-reduce) and the ``outer_update`` moves the synchronized parameters alike on every rank, which
+    every rank then continues from. 1 (default): every step exchanges, as without this field. The
+    mean bytes per step are the outer exchange's / H. >= 1."""
+
+    inner_optimizer: Literal["adamw", "adams"] = "adamw"
+    """``local_steps`` > 1: the local optimizer (its own state on every rank; the param group's lr,
+    betas, eps, weight decay): ``adamw`` (torch.optim.AdamW, DiLoCo's) or ``adams`` (dense AdamS)."""
+
+    outer_update: Literal["nesterov", "sign"] = "nesterov"
+    """``local_steps`` > 1: how the decoded mean pseudo-gradient u moves the synchronized parameters:
+    ``nesterov`` (DiLoCo): ``b = outer_momentum b + u``, ``p -= outer_lr (u + outer_momentum b)``;
+    ``sign``: ``p -= outer_lr sign(u)`` (``outer_lr`` then is a step in parameter units)."""
+
+    outer_lr: float = 0.7
+    """``local_steps`` > 1: the outer step size (DiLoCo: 0.7). > 0."""
+
+    outer_momentum: float = 0.9
+    """``local_steps`` > 1, ``outer_update "nesterov"``: the outer momentum (DiLoCo: 0.9). In [0, 1)."""
+
     seed: int = 1234
     """Seed of the exploration and random-k masks (identical on every rank)."""
 
     log_comm: bool = True
     """Record per-step bytes sent vs dense (read them from ``optimizer.comm_stats``)."""
 
-    @field_validator("sparsity", "exploration", "catchup_beta")
+    @field_validator("sparsity", "exploration", "catchup_beta", "outer_momentum")
     @classmethod
     def _check_unit_interval(cls, v: float) -> float:
         if not 0.0 <= v < 1.0:
@@ -291,14 +315,14 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
-    @field_validator("catchup_gain", "bucket_mb")
+    @field_validator("catchup_gain", "bucket_mb", "outer_lr")
     @classmethod
     def _check_positive(cls, v: float) -> float:
         if not v > 0:
             raise ValueError(f"must be > 0, got {v}")
         return v
 
-    @field_validator("mask_refresh_interval", "drift_steps")
+    @field_validator("mask_refresh_interval", "drift_steps", "local_steps")
     @classmethod
     def _check_interval(cls, v: int) -> int:
         if v < 1:
@@ -371,6 +395,14 @@ class ScapeConfig(BaseModel):
             if bad:
                 raise ValueError(f"value_bits {self.value_bits} codes the values of basis 'dct''s per-rank "
                                  f"exchange: " + ", ".join(bad))
+        if self.local_steps > 1:
+            settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False),
+                            hierarchy=(self.hierarchy, "flat"), mask_source=(self.mask_source, "union"),
+                            mask_hold=(self.mask_hold, 1), mask_early=(self.mask_early, False))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if bad:
+                raise ValueError(f"local_steps {self.local_steps} exchanges pseudo-gradients through basis 'dct', "
+                                 f"built for: " + ", ".join(bad))
         if self.mask_hold < 1:
             raise ValueError(f"mask_hold must be >= 1 (steps one shared mask serves), got {self.mask_hold}")
         if self.mask_source == "momentum" and (self.mask_hold != 1 or self.mask_early):

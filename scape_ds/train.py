@@ -329,12 +329,18 @@ def _describe_run(args, setup: TrainSetup, opt, world: int, tokens_per_step: int
     if opt is None:
         kind = type(setup.engine.optimizer).__name__
     elif opt.cfg.basis == "dct":
+        update = f", {opt.cfg.dct_update} update" if opt.cfg.local_steps == 1 else ""  # else the outer step moves
         kind = (f"SCAPE dct sparsity {opt.cfg.sparsity} ({opt.cfg.tile_size}x{opt.cfg.tile_size} tiles, "
-                f"{opt.cfg.mask} mask, {opt.cfg.dct_update} update)")
+                f"{opt.cfg.mask} mask{update})")
     else:
         kind = f"SCAPE {opt.cfg.compressor} sparsity {opt.cfg.sparsity} T={opt.cfg.mask_refresh_interval}"
     if opt is not None and opt.cfg.overlap:
         kind += f", overlap ({opt.cfg.bucket_mb:g} MB buckets)"
+    if opt is not None and opt.cfg.local_steps > 1:
+        c = opt.cfg
+        outer = f"nesterov outer lr {c.outer_lr:g}, momentum {c.outer_momentum:g}" if c.outer_update == "nesterov" \
+            else f"sign outer step {c.outer_lr:g}"
+        kind += f", local steps H={c.local_steps} ({c.inner_optimizer} inner, {outer})"
     stage3 = is_scape_stage3(opt)
     intra = getattr(opt, "intra_comm", None)
     if intra is not None:  # hierarchy "node": bytes_inter / bytes_intra in the metrics

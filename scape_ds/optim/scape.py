@@ -55,6 +55,7 @@ from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
 from .dct_overlap import DctOverlap
 from .dct_step import dct_update
+from .local_steps import LocalSteps
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -170,6 +171,7 @@ class ScapeAdamS(Optimizer):
         self._model = None  # scape.overlap: the model whose forward waits for new values (attach_model)
         self._is_boundary = None  # scape.overlap: whether a backward ends the gradient accumulation
         self._at_step: set[int] = set()  # scape.overlap: ids of parameters whose gradient changes after backward
+        self._local: LocalSteps | None = None  # scape.local_steps > 1: the inner/outer step (built with the buffers)
         # statistics
         self.comm_stats: dict[str, Any] = {}
         self.last_grad_norm: float | None = None
@@ -253,6 +255,8 @@ class ScapeAdamS(Optimizer):
                 state["momentum"] = torch.zeros_like(p, dtype=_state_dtype(p.dtype))
                 gs.dense_momenta.append(state["momentum"])
             self._groups.append(gs)
+        if self.cfg.local_steps > 1:
+            self._local = LocalSteps(self)
         self._install_overlap()
 
     def attach_model(self, model: torch.nn.Module, is_boundary=None, exchange_at_step=()) -> None:
@@ -313,6 +317,9 @@ class ScapeAdamS(Optimizer):
             overlap.wait_params()
         self._step += 1
         t = self._step
+        if self._local is not None:  # H local steps, then the pseudo-gradient's exchange (local_steps.py)
+            self._local.step(t)
+            return loss
         if self.cfg.clip_local > 0:
             self._clip_local()
         if self.cfg.basis == "dct":
@@ -740,8 +747,8 @@ class ScapeAdamS(Optimizer):
         """Bytes this rank holds, by buffer, summed over param groups (``scape_ds.optim.memory`` has the
         formulas): ``params`` and ``grads`` (the flat buffers and the dense-exchanged tensors),
         ``master`` (0 when it is a view of the fp32 parameters), ``momentum``, ``error_feedback``,
-        ``masks``, ``rule_state`` (the buffers of a non-lazy ``scape.update_rule`` and of
-        ``scape.reselect_interval``). Transient buffers of a step are not counted."""
+        ``masks``, ``rule_state`` (the buffers of a non-lazy ``scape.update_rule``, of
+        ``scape.reselect_interval`` and of ``scape.local_steps``). Transient buffers of a step are not counted."""
         self._lazy_init()
         total = dict(params=0, grads=0, master=0, momentum=0, error_feedback=0, masks=0, rule_state=0)
 
@@ -762,6 +769,8 @@ class ScapeAdamS(Optimizer):
             total["masks"] += nbytes(gs.active_offsets) + nbytes(gs.active_index) + nbytes(gs.active_local)
             if gs.node_index is not gs.active_index:
                 total["masks"] += nbytes(gs.node_index)
+        if self._local is not None:  # local_steps: the synchronized copy, outer momentum, inner state
+            total["rule_state"] += self._local.memory_bytes()
         return total
 
     def mask_offsets(self, group_index: int = 0) -> torch.Tensor | None:
@@ -817,6 +826,7 @@ class ScapeAdamS(Optimizer):
             node_rank=self._node.rank, node_size=self._node.size,
             config=self.cfg.model_dump(), groups=groups, refresh_next=self._refresh_next,
             last_dense=self._last_dense, dense_steps=self._dense_steps,
+            local=None if self._local is None else self._local.state_dict(),
         ))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -887,6 +897,17 @@ class ScapeAdamS(Optimizer):
                 if gs.master.data_ptr() != shard.data_ptr():
                     shard.copy_(gs.master)
                 self.comm.all_gather(gs.flat_param, shard, "init")
+        saved_local = sc.get("local")
+        if (saved_local is None) != (self._local is None):
+            raise ValueError(f"checkpoint was saved with scape.local_steps "
+                             f"{saved_local['H'] if saved_local else 1}, this run has {self.cfg.local_steps}: "
+                             f"resume with local_steps both 1 or both > 1 (the synchronized parameters and the "
+                             f"inner optimizer's state are kept only with local steps)")
+        if self._local is not None:
+            if sc.get("resharded_from") is not None:
+                raise ValueError("elastic resume with scape.local_steps > 1 is not built: resume on the saved "
+                                 "number of data-parallel ranks")
+            self._local.load_state_dict(saved_local)
         self._step = sc["step"]
         self._refresh_next = bool(sc.get("refresh_next", False))
         self._last_dense, self._dense_steps = sc.get("last_dense", 0), sc.get("dense_steps", 0)

@@ -62,7 +62,7 @@ def test_on_step_runs_on_every_rank_after_each_step_and_summary_is_shared(tmp_pa
         assert (r["bytes_inter"] if config == "scape_hier.json" else r["bytes_intra"]) == 0
 
 
-@pytest.mark.parametrize("config", ["scape_hier.json", "scape_dct.json", "scape_dct_overlap.json"])
+@pytest.mark.parametrize("config", ["scape_hier.json", "scape_dct.json", "scape_dct_overlap.json", "scape_local.json"])
 def test_run_resumes_exactly_from_its_checkpoint(tmp_path, config):
     """through save_checkpoint/load_checkpoint: 4 steps straight, or 2 + a resume to 4."""
     ckpt = os.path.join(tmp_path, "ckpt")

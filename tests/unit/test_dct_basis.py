@@ -168,3 +168,29 @@ def test_value_bits_is_for_the_per_rank_dct_exchange():
         parse_scape_config(dict(basis="dct", overlap=True, value_bits=8))
     with pytest.raises(ValueError, match="scape.value_bits"):
         parse_scape_config(dict(basis="dct", value_bits=16))
+
+
+def test_local_steps_settings_and_refusals():
+    cfg = parse_scape_config(dict(basis="dct", local_steps=30))
+    assert (cfg.local_steps, cfg.inner_optimizer, cfg.outer_update, cfg.outer_lr, cfg.outer_momentum) == (
+        30, "adamw", "nesterov", 0.7, 0.9)
+    with pytest.raises(ValueError, match="local_steps 30 exchanges pseudo-gradients through basis 'dct', built for: "
+                                         "basis 'coordinate'"):
+        parse_scape_config(dict(local_steps=30))
+    with pytest.raises(ValueError, match="hierarchy 'node' \\(needs 'flat'\\)"):
+        parse_scape_config(dict(basis="dct", local_steps=2, hierarchy="node"))
+    with pytest.raises(ValueError, match="mask_hold 4 \\(needs 1\\)"):
+        parse_scape_config(dict(basis="dct", local_steps=2, mask="shared", mask_hold=4))
+    with pytest.raises(ValueError, match="scape.local_steps: must be an integer >= 1"):
+        parse_scape_config(dict(basis="dct", local_steps=0))
+    with pytest.raises(ValueError, match="scape.outer_momentum: must be in \\[0, 1\\)"):
+        parse_scape_config(dict(basis="dct", local_steps=2, outer_momentum=1.0))
+    with pytest.raises(ValueError, match="scape.outer_lr: must be > 0"):
+        parse_scape_config(dict(basis="dct", local_steps=2, outer_lr=0.0))
+
+
+def test_local_steps_refused_under_zero3():
+    from scape_ds.zero3 import check_stage3_config
+
+    with pytest.raises(ValueError, match="scape.local_steps 30 is not built for ZeRO stage 3"):
+        check_stage3_config({"zero_optimization": {"stage": 3}}, parse_scape_config(dict(basis="dct", local_steps=30)))
