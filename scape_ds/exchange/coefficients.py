@@ -210,8 +210,9 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
 
     ``node`` (hierarchy "node", :class:`~scape_ds.exchange.node.NodeStage`): ``error`` is this rank's
     slice of the coefficients ((numel/G,)); the node sum of the slice's coefficients enters it, ``comm``
-    (the cross-node group of M ranks) exchanges the slice, the mean is over all G M ranks, and the
-    slices' means are gathered over the node into the (numel,) mean returned.
+    (the cross-node group of M ranks) exchanges the slice, the mean is over all G M ranks, and every
+    slice's received values (per_rank) or mean (shared) are gathered over the node into the (numel,)
+    mean returned.
 
     ``value_bits`` 8 or 4 (mask "per_rank"): the values travel coded per tile
     (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``.
@@ -230,6 +231,12 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         else:
             all_values = _all_gather_coded(comm, error, offsets, values, C, k_per_chunk, value_bits)  # (D k,)
         all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
+        if node.size > 1:  # every slice's received values gathered in the node: the whole mean from them
+            every_values, every_offsets = node.gather_received(all_values, all_offsets)  # (G, D k) each
+            whole = torch.zeros(tiles_all.numel, dtype=error.dtype, device=error.device)  # (numel,)
+            for sl, (v, o) in enumerate(zip(every_values, every_offsets)):
+                add_per_rank(whole[sl * tiles.numel : (sl + 1) * tiles.numel], v, o, D, C, k_per_chunk)
+            return whole.div_(D * node.size), None
         add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
     elif mask == "shared":
         if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel

@@ -21,9 +21,10 @@ the whole buffer, without copies. The optimizer chooses one of the two once, at 
 Under ``basis "dct"`` the slices are of the coefficient buffer (whole tiles; the tile count is a
 multiple of G M): each rank transforms its whole local gradient, a dense reduce-scatter over the node
 gives local rank l the node sum of slice l's coefficients, which enter its error feedback ((numel/G,)
-per rank); the DCT exchange runs on slice l across nodes; an all-gather over the node of every
-slice's mean coefficients gives every rank the whole mean, which it decodes and applies as a flat
-run does (:meth:`NodeStage.accumulate_coefficients`, :meth:`NodeStage.gather_coefficients`).
+per rank); the DCT exchange runs on slice l across nodes; an all-gather over the node of what each
+rank received (per_rank, :meth:`NodeStage.gather_received`) or of every slice's mean coefficients
+(shared, :meth:`NodeStage.gather_coefficients`) gives every rank the whole mean, which it decodes and
+applies as a flat run does (:meth:`NodeStage.accumulate_coefficients`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class FlatStage:
 
     def gather_coefficients(self, mean: torch.Tensor) -> torch.Tensor:
         return mean
+
 
 
 class NodeStage:
@@ -170,6 +172,16 @@ class NodeStage:
         out = torch.empty(mean.numel() * self.size, dtype=mean.dtype, device=mean.device)  # (numel,)
         self.intra.all_gather(out, mean, "coef_ag")
         return out
+
+    def gather_received(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """basis "dct", mask "per_rank": what this rank received across nodes for its slice ((n,) fp32
+        values, (n,) int16 in-tile offsets) -> every slice's, (G, n) each, over the node: O(M k) bytes
+        instead of the (numel / G,) dense mean of :meth:`gather_coefficients`."""
+        every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)  # (G n,)
+        self.intra.all_gather(every, values, "values_ag")
+        raw = torch.empty(self.size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)  # (2 G n,)
+        self.intra.all_gather(raw, offsets.contiguous().view(torch.uint8), "offsets_ag")  # gloo has no int16
+        return every.view(self.size, -1), raw.view(torch.int16).view(self.size, -1)
 
     def dense_bytes(self, padded_numel: int, elem_bytes: int, dense_numel: int) -> int:
         """Intra-node bytes of a dense hierarchical step: reduce-scatter of (N_pad,), all-gather of

@@ -170,16 +170,19 @@ def test_dct_hierarchy_two_nodes_of_two(tmp_path, mask):
         assert h["bytes_sent"] == h["bytes_inter"] + h["bytes_intra"]
         # across nodes no more than (nodes / ranks) of flat dct's bytes (issue 46's bar, without its 10%)
         assert h["bytes_inter"] <= f["bytes_inter"] * M / D, (h["bytes_inter"], f["bytes_inter"])
-        # inside the node, every step: the coefficients reduce-scattered and the means all-gathered (fp32),
-        # the dense tensors reduce-scattered and all-gathered around their cross-node all-reduce
-        assert h["by_tag_intra"] == {
-            "coef_rs": collective_bytes("reduce_scatter", numel * 4, G),
-            "coef_ag": (G - 1) * numel // G * 4,
-            "dense_ar": collective_bytes("reduce_scatter", dense_part * G * 4, G) + (G - 1) * dense_part * 4}
+        # inside the node, every step: the coefficients reduce-scattered (fp32); the dense tensors
+        # reduce-scattered and all-gathered around their cross-node all-reduce; shared: the slices' means
+        # all-gathered (fp32, dense); per_rank: what each rank received across nodes, all-gathered
+        intra = {"coef_rs": collective_bytes("reduce_scatter", numel * 4, G),
+                 "dense_ar": collective_bytes("reduce_scatter", dense_part * G * 4, G) + (G - 1) * dense_part * 4}
+        ks = numel // G // C * kc  # this slice's coefficients one rank sends
         if mask == "per_rank":  # M ranks exchange this slice's ks values and 16-bit offsets
-            ks = numel // G // C * kc
+            intra.update(values_ag=(G - 1) * M * ks * 4, offsets_ag=(G - 1) * M * ks * 2)
             assert h["by_tag"] == {"grad_ag": (M - 1) * ks * 4, "index_ag": (M - 1) * ks * 2,
                                    "dense_ar": collective_bytes("all_reduce", dense_part * 4, M)}
+        else:
+            intra["coef_ag"] = (G - 1) * numel // G * 4
+        assert h["by_tag_intra"] == intra, h["by_tag_intra"]
 
 
 @pytest.mark.parametrize("mask", ["per_rank", "shared"])
