@@ -365,10 +365,27 @@ def reshard_zero3_state(states: list[dict[str, Any]], layout: Zero3Layout, rank:
     new = dict(states[0], partition_count=world_size,
                fp32_flat_groups=zero3_rank_partitions(full, layout.sub_groups, rank, world_size),
                optimizer_state_dict=dict(state=new_state, param_groups=groups))
-    if old[0] is not None:
+    if old[0] is not None and old[0].get("basis") == "dct":
+        new["scape"] = dict(old[0], rank=rank, world_size=world_size, resharded_from=len(states),
+                            dct=_zero3_dct_state(old, rank))
+    elif old[0] is not None:
         new["scape"] = dict(old[0], rank=rank, world_size=world_size, error=_zero3_error(old, layout, rank, world_size),
                             masks={}, refresh_next=True, resharded_from=len(states))
     return new
+
+
+def _zero3_dct_state(old: list[dict], rank: int) -> dict:
+    """Basis "dct" under ZeRO-3 (``Stage3DctExchange``): the error feedback in coefficients is the old
+    ranks' sum, in rank order in fp64, whole on new rank 0 and zeros elsewhere, at the old length (the
+    loader keeps its own tiles' prefix: the tiles lie where they lay, only the padding tiles' count
+    depends on D); no kept mask or owner momentum (``mask_source "momentum"``'s next step is then
+    dense), no accumulators (saved after a step)."""
+    errors = [sc["dct"]["error"] for sc in old]
+    if any(e.numel() != errors[0].numel() for e in errors):
+        raise ValueError("the old ranks' dct error feedback differ in length")
+    total = sum_in_rank_order(errors).to(errors[0].dtype)
+    return dict(error=total if rank == 0 else torch.zeros_like(total), held_mask=None, coef_momentum=None,
+                local_grads=None, dense_grads=None)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -406,11 +423,11 @@ def _check_old_zero3_state(state: dict, rank: int, world_size: int) -> dict | No
         raise ValueError("elastic ZeRO-3 resume does not support AutoEP partition groups")
     if "scape" not in state:
         return None
-    basis = state["scape"].get("config", {}).get("basis", "coordinate")
-    if basis != "coordinate":  # path A re-shards basis "dct"; ZeRO-3's state of it is not re-sharded
-        raise ValueError(f"old rank {rank} was saved under ZeRO-3 with scape.basis {basis!r}: elastic ZeRO-3 resume "
-                         "re-shards coordinate-basis state only (resume on the same world size)")
-    return _check_old_scape(state["scape"], rank, world_size)
+    sc = state["scape"]
+    if sc.get("basis") == "dct" and (sc["dct"].get("local_grads") is not None or sc["dct"].get("dense_grads")):
+        raise ValueError(f"old rank {rank} was saved under ZeRO-3 with scape.basis 'dct' between the micro-steps of "
+                         "a gradient accumulation: elastic resume needs a checkpoint saved after an optimizer step")
+    return _check_old_scape(sc, rank, world_size)
 
 
 def _check_new_rank(rank: int, world_size: int) -> None:

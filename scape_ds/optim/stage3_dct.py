@@ -361,21 +361,27 @@ class Stage3DctExchange(Stage3Exchange):
 
     def check_loadable(self, saved: dict | None) -> None:
         """Raise ValueError unless ``saved`` is a basis "dct" state of this rank, world size and tiles."""
-        if saved is not None and saved.get("basis") == "dct" and saved.get("resharded_from") is not None:
-            raise ValueError(f"elastic resume of scape.basis 'dct' under ZeRO stage 3 is not built: resume on the "
-                             f"{saved['resharded_from']} data-parallel ranks the checkpoint was saved on")
         super().check_loadable(saved)
         mismatch = basis_mismatch(saved.get("config", {}), self.cfg)
         if mismatch:
             raise ValueError(f"the checkpoint was saved with {mismatch}: their optimizer states differ; resume "
                              f"with the saved settings")
-        if saved["dct"]["error"].numel() != self.coef_error.numel():
-            raise ValueError(f"the checkpoint's dct error feedback has {saved['dct']['error'].numel()} coefficients, "
+        error, used = saved["dct"]["error"], self.tiles.tiles_numel
+        if saved.get("resharded_from") is not None:  # another D: only the padding tiles' count differs
+            if error.numel() < used or error[used:].any():
+                raise ValueError(f"the checkpoint's dct error feedback ({error.numel()} coefficients) does not hold "
+                                 f"this model's {used} tile coefficients with zero padding")
+        elif error.numel() != self.coef_error.numel():
+            raise ValueError(f"the checkpoint's dct error feedback has {error.numel()} coefficients, "
                              f"this model {self.coef_error.numel()}")
 
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
         dct = saved["dct"]
-        self.coef_error.copy_(dct["error"])
+        if saved.get("resharded_from") is not None:  # elastic: the tiles' prefix, this D's padding zero
+            used = self.tiles.tiles_numel
+            self.coef_error.zero_()[:used].copy_(dct["error"][:used])
+        else:
+            self.coef_error.copy_(dct["error"])
         self.held_mask = None if dct["held_mask"] is None else HeldMask.from_state(dct["held_mask"], device)
         if self.coef_momentum is not None and dct.get("coef_momentum") is not None:  # else it starts at 0
             self.coef_momentum.copy_(dct["coef_momentum"])  # (and the next step, with no mask kept, is dense)

@@ -271,3 +271,75 @@ def test_dct_elastic_resume_2_to_1_and_2_to_4(tmp_path):
         for name in RUNS:
             _check_load(saved, resumed, name, new)
             assert all(math.isfinite(x) for x in saved[0][name]["losses"])
+
+
+# ---------------------------------------------------------------- ZeRO-3 (Stage3DctExchange): 2 -> 1 and 2 -> 4
+Z3 = {"z3dct": dict(), "z3dct_replica": dict(param_exchange="sparse_replica")}
+
+
+def _z3_config(scape: dict) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "ScapeAdamS", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                         "weight_decay": 0.1}},
+           "scape": dict(basis="dct", chunk_size=256, sparsity=0.9, dense_numel_threshold=1024, clip_local=1.0,
+                         ef_decay=0.999, **scape)}
+    if scape.get("param_exchange") == "sparse_replica":
+        cfg["zero_optimization"] = {"stage": 3}  # every parameter persistent: the copies stay resident
+    return cfg
+
+
+def _z3_worker(rank, world_size, tmp_path, root):
+    _set_env(rank)
+    import scape_ds
+    from scape_ds.checkpoint import load_checkpoint, save_checkpoint
+
+    from .models import loss_fn, make_batch, make_mlp
+    from .test_zero3 import _gathered
+
+    out = {}
+    for name, scape in Z3.items():
+        engine, *_ = scape_ds.initialize(model=make_mlp(seed=5), config=_z3_config(scape))
+        ex = engine.optimizer.scape
+        ckpt = os.path.join(root, name)
+        start = 0
+        if world_size != 2:
+            load_checkpoint(engine, ckpt)
+            start = SAVED_AT
+            loaded = dict(params=_gathered(engine), error=ex.coef_error.clone(), used=ex.tiles.tiles_numel)
+        losses = []
+        for step in range(start, start + (SAVED_AT if world_size == 2 else MORE)):
+            loss = loss_fn(engine, *make_batch(step, rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        if world_size == 2:
+            out[name] = dict(params=_gathered(engine), error=ex.coef_error.clone(), used=ex.tiles.tiles_numel)
+            save_checkpoint(engine, ckpt, SAVED_AT, dict(step=SAVED_AT))
+        else:
+            out[name] = dict(loaded=loaded, losses=losses, after=_gathered(engine))
+        engine.optimizer.synchronize()
+    return out
+
+
+def test_dct_elastic_resume_under_zero3_2_to_1_and_2_to_4(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(_z3_worker, 2, tmp_path / "d2", root)
+    for new in (1, 4):
+        resumed = run_ranks(_z3_worker, new, tmp_path / f"d{new}", root)
+        for name in Z3:
+            old, runs = [r[name] for r in saved], [r[name] for r in resumed]
+            used = old[0]["used"]
+            assert all(r["loaded"]["used"] == used for r in runs)  # the tiles lie where they lay
+            for r in runs:  # every new rank starts from the saved parameters (gathered from the partitions)
+                assert torch.equal(r["loaded"]["params"], old[0]["params"]), (name, new)
+            # the error feedback's sum over the old ranks (fp64, rank order, rounded once) on new rank 0
+            old_sum = sum_in_rank_order([r["error"][:used] for r in old]).to(torch.float32)
+            assert old_sum.abs().max() > 0
+            errors = [r["loaded"]["error"] for r in runs]
+            assert torch.equal(errors[0][:used], old_sum) and not errors[0][used:].any(), (name, new)
+            assert not any(e.any() for e in errors[1:])
+            # training goes on, the ranks' gathered parameters alike
+            assert all(torch.equal(r["after"], runs[0]["after"]) for r in runs)
+            assert not torch.equal(runs[0]["after"], old[0]["params"])
+            assert all(math.isfinite(x) for r in runs for x in r["losses"])

@@ -459,10 +459,19 @@ def test_dct_basis_states_without_a_tile_count_or_at_another_chunk_size_are_refu
         reshard_scape_state(states, 0, 1, chunk_size=64)
 
 
-def test_zero3_dct_basis_states_are_refused_in_one_line():
+def test_zero3_dct_error_feedback_is_summed_onto_new_rank_0_and_a_mid_accumulation_save_is_refused():
     states, _ = _z3_states(2)
-    for st in states:
-        st["scape"]["config"] = dict(basis="dct")
-    with pytest.raises(ValueError, match="saved under ZeRO-3 with scape.basis 'dct': elastic ZeRO-3 resume re-shards "
-                                         "coordinate-basis state only"):
+    errors = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    for st, e in zip(states, errors):
+        st["scape"].update(basis="dct", config=dict(basis="dct"),
+                           dct=dict(error=e, held_mask=None, coef_momentum=None, local_grads=None, dense_grads=None))
+    new = [reshard_zero3_state(states, Z3, r, 3)["scape"] for r in range(3)]
+    total = (errors[0].double() + errors[1].double()).float()  # in rank order, fp64, rounded once
+    assert torch.equal(new[0]["dct"]["error"], total)
+    assert not new[1]["dct"]["error"].any() and not new[2]["dct"]["error"].any()
+    assert [(n["rank"], n["world_size"], n["resharded_from"]) for n in new] == [(0, 3, 2), (1, 3, 2), (2, 3, 2)]
+    assert all(n["dct"]["held_mask"] is None for n in new)
+    states[1]["scape"]["dct"]["local_grads"] = torch.ones(8)
+    with pytest.raises(ValueError, match="old rank 1 was saved under ZeRO-3 with scape.basis 'dct' between the "
+                                         "micro-steps of a gradient accumulation"):
         reshard_zero3_state(states, Z3, 0, 1)
