@@ -216,6 +216,14 @@ class ScapeConfig(BaseModel):
     included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). Its
     quality is not yet measured on the bench (bench/RESULTS.md)."""
 
+    dense_wire: Literal["fp32", "bf16"] = "fp32"
+    """``basis="dct"``, ZeRO stage 0/1: the dtype in which the dense-exchanged tensors' gradients (1-D
+    tensors, tensors under ``dense_numel_threshold``; 35% of the bytes of the 0.45M bench model) are
+    all-reduced every step. ``bf16`` halves those bytes: each rank adds its gradient to an error
+    feedback of its own (fp32, one per dense element), sends that rounded to bf16 and keeps what the
+    rounding lost; the all-reduce then sums bf16 values (its own rounding is not fed back). Quality not
+    yet measured on the bench (bench/RESULTS.md)."""
+
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).
     DeMo's reference runs clip so (1.0); ``gradient_clipping`` in the DeepSpeed config clips the
@@ -395,6 +403,9 @@ class ScapeConfig(BaseModel):
             if bad:
                 raise ValueError(f"value_bits {self.value_bits} codes the values of basis 'dct''s per-rank "
                                  f"exchange: " + ", ".join(bad))
+        if self.dense_wire != "fp32" and self.basis != "dct":
+            raise ValueError(f"dense_wire {self.dense_wire!r} is built for basis 'dct' (its dense tensors' "
+                             f"all-reduce); got basis {self.basis!r}")
         if self.local_steps > 1:
             settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False),
                             hierarchy=(self.hierarchy, "flat"), mask_source=(self.mask_source, "union"),

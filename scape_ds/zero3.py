@@ -114,6 +114,9 @@ def check_stage3_config(cfg: dict, scape: ScapeConfig) -> None:
     if scape.hierarchy != "flat":
         raise ValueError(f"scape.hierarchy {scape.hierarchy!r} is not built for ZeRO stage 3: use ZeRO stage 0/1 "
                          f"(ScapeAdamS) for the hierarchical exchange, or hierarchy 'flat' under stage 3")
+    if scape.dense_wire != "fp32":
+        raise ValueError(f"scape.dense_wire {scape.dense_wire!r} is not built for ZeRO stage 3 (its dense tensors "
+                         f"travel in a reduce-scatter of their own): use ZeRO stage 0/1, or dense_wire 'fp32'")
     if scape.local_steps > 1:
         raise ValueError(f"scape.local_steps {scape.local_steps} is not built for ZeRO stage 3 (every rank would "
                          f"need its own full local copy of the parameters, which ZeRO-3 partitions): use ZeRO stage "

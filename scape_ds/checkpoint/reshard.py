@@ -168,7 +168,10 @@ def _reshard_dct_group(per_rank: list[dict], new: dict, dct_update: str, g: int,
     quantum = world_size * C
     padded = max(quantum, -(-numel // quantum) * quantum)  # N_pad': FlatLayout at D'
     new.update(master=None, padded_numel=padded, coef_numel=saved.get("coef_numel"), held_mask=None,
-               coef_momentum=None)
+               coef_momentum=None, dense_error=None)
+    if saved.get("dense_error") is not None:  # dense_wire "bf16": the rounding every old rank kept, on new rank 0
+        total = sum_in_rank_order([p["dense_error"] for p in per_rank]).to(saved["dense_error"].dtype)
+        new["dense_error"] = total if rank == 0 else torch.zeros_like(total)
     if saved["error"] is None:  # no sparse tensors in this group
         new.update(momentum=None, error=None)
         return new

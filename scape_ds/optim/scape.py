@@ -77,6 +77,7 @@ class _GroupState:
     param_slice: torch.Tensor | None = None  # (N_pad/G,) view of flat_param: the slice exchanged across nodes
     grad_slice: torch.Tensor | None = None  # (N_pad/G,) the node sum of that slice (flat: flat_grad itself)
     dense_momenta: list[torch.Tensor] = field(default_factory=list)
+    dense_error: torch.Tensor | None = None  # (M,) fp32 dense_wire "bf16": what rounding to bf16 kept back
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each sparse param's .grad in flat_grad
     grad_divisor: float = 1.0  # this step's reduced sparse gradient is a sum over this many ranks (1: a mean)
     active_offsets: torch.Tensor | None = None  # (K,) int16, every shard's mask, chunk-major
@@ -254,6 +255,9 @@ class ScapeAdamS(Optimizer):
                 state = self.state[p]
                 state["momentum"] = torch.zeros_like(p, dtype=_state_dtype(p.dtype))
                 gs.dense_momenta.append(state["momentum"])
+            if dense and self.cfg.dense_wire == "bf16":  # (M,) what rounding the dense gradients to bf16 kept
+                gs.dense_error = torch.zeros(sum(p.numel() for p in dense), dtype=_state_dtype(dense[0].dtype),
+                                             device=dense[0].device)
             self._groups.append(gs)
         if self.cfg.local_steps > 1:
             self._local = LocalSteps(self)
@@ -531,6 +535,12 @@ class ScapeAdamS(Optimizer):
             return None
         dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
                              for p in gs.dense_params])  # (M,) fp32
+        if self.cfg.dense_wire == "bf16":  # rounded to bf16 for the wire, the rounding kept for the next step
+            dense_g.add_(gs.dense_error)
+            wire = dense_g.to(torch.bfloat16)  # (M,) bf16
+            torch.sub(dense_g, wire.to(dense_g.dtype), out=gs.dense_error)
+            self._node.all_reduce_across(wire, self.comm, "dense_ar")
+            return wire.to(dense_g.dtype).div_(self.dp_world_size)
         self._node.all_reduce_across(dense_g, self.comm, "dense_ar")
         return dense_g.div_(self.dp_world_size)
 
@@ -764,7 +774,7 @@ class ScapeAdamS(Optimizer):
             if gs.master is not None and gs.master.data_ptr() != shard.data_ptr():
                 total["master"] += nbytes(gs.master)
             total["momentum"] += nbytes(gs.momentum) + sum(nbytes(m) for m in gs.dense_momenta)
-            total["error_feedback"] += nbytes(gs.error)
+            total["error_feedback"] += nbytes(gs.error) + nbytes(gs.dense_error)
             total["rule_state"] += nbytes(gs.catchup_second) + nbytes(gs.drift_sign) + nbytes(gs.decay_mark)
             total["masks"] += nbytes(gs.active_offsets) + nbytes(gs.active_index) + nbytes(gs.active_local)
             if gs.node_index is not gs.active_index:
@@ -811,7 +821,7 @@ class ScapeAdamS(Optimizer):
             groups.append(dict(
                 master=_clone(gs.master), momentum=_clone(gs.momentum), error=_clone(gs.error),
                 active_offsets=_clone(gs.active_offsets), decay_debt=gs.decay_debt,
-                dense_momenta=[m.clone() for m in gs.dense_momenta],
+                dense_momenta=[m.clone() for m in gs.dense_momenta], dense_error=_clone(gs.dense_error),
                 catchup_second=_clone(gs.catchup_second), drift_sign=_clone(gs.drift_sign),
                 decay_mark=_clone(gs.decay_mark), window_decay=list(gs.window_decay),
                 held_mask=None if gs.held_mask is None else gs.held_mask.state(),
@@ -883,6 +893,10 @@ class ScapeAdamS(Optimizer):
                 gs.held_mask = HeldMask.from_state(saved["held_mask"], gs.flat_param.device)
             for m, s in zip(gs.dense_momenta, saved["dense_momenta"]):
                 m.copy_(s)
+            if gs.dense_error is not None:  # dense_wire "bf16" (a state saved without it: from 0)
+                gs.dense_error.zero_()
+                if saved.get("dense_error") is not None:
+                    gs.dense_error.copy_(saved["dense_error"])
             gs.pending.drop()
             gs.decay_debt = saved["decay_debt"]
             if saved["active_offsets"] is None:

@@ -83,3 +83,50 @@ def test_coded_values_replicas_error_feedback_and_bytes(tmp_path, bits, world_si
     for s in r["stats"]:
         assert s["by_tag"] == {"grad_ag": (D - 1) * payload, "index_ag": (D - 1) * k * 2,
                                "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]
+
+
+def _worker_dense_wire(rank, world_size, tmp_path, steps):
+    from .models import loss_fn, make_batch
+
+    model = make_mlp(seed=3)
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, scape=dict(SCAPE, dense_wire="bf16"))
+    sent = produced = None
+    worst, mismatches, stats = 0.0, 0, []
+    wire = opt.comm.all_reduce
+
+    def recording(tensor, tag):  # the bf16 values this rank puts on the wire for the dense tensors
+        if tag == "dense_ar":
+            recording.sent = tensor.detach().double().clone()
+        wire(tensor, tag)
+
+    opt.comm.all_reduce = recording
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, *make_batch(step, rank)).backward()
+        grads = torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.dim() == 1])
+        opt.step()
+        gs = opt._groups[0]
+        assert recording.sent.numel() == gs.dense_error.numel()
+        produced = grads if produced is None else produced + grads
+        sent = recording.sent if sent is None else sent + recording.sent
+        worst = max(worst, float((sent + gs.dense_error.double() - produced).abs().max() / produced.abs().max()))
+        stats.append(dict(opt.comm_stats))
+        params = flat_params(model)
+        every = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(every, params)
+        mismatches += sum(not torch.equal(params, p) for p in every)
+    return dict(worst=worst, mismatches=mismatches, stats=stats, dense=gs.dense_error.numel(),
+                memory=opt.memory_bytes())
+
+
+def test_dense_wire_bf16_keeps_its_rounding_and_halves_the_dense_bytes(tmp_path):
+    D = 2
+    results = run_ranks(_worker_dense_wire, D, tmp_path, 5)
+    for r in results:
+        assert r["mismatches"] == 0, "replicas differ"
+        # sent (bf16 values) + kept (fp32) == every local gradient produced: nothing the rounding lost is lost
+        assert r["worst"] <= 1e-6, r["worst"]
+    r = results[0]
+    for s in r["stats"]:
+        assert s["by_tag"]["dense_ar"] == collective_bytes("all_reduce", r["dense"] * 2, D), s["by_tag"]
+    assert r["memory"]["error_feedback"] >= r["dense"] * 4

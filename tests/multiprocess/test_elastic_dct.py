@@ -40,6 +40,7 @@ SIM = dict(basis="dct", chunk_size=16, sparsity=0.75, dense_numel_threshold=32) 
 MASKS = {
     "per_rank/sign": dict(mask="per_rank", dct_update="sign"),
     "per_rank/signum": dict(mask="per_rank", dct_update="signum"),
+    "per_rank/sign/dense_bf16": dict(mask="per_rank", dct_update="sign", dense_wire="bf16"),
     "shared/union/hold2/adams": dict(mask="shared", mask_hold=2, dct_update="adams"),
     "shared/momentum/adams_coef": dict(mask="shared", mask_source="momentum", dct_update="adams_coef"),
 }
@@ -113,6 +114,12 @@ def test_dct_state_resharded_keeps_the_error_feedback_sum_exactly(masks, new):
         assert g["held_mask"] is None and g["master"] is None and g["padded_numel"] == FLAT[new]
         assert g["coef_numel"] == used and sc["step"] == before[0]["scape"]["step"]
         assert torch.equal(sc["groups"][1]["dense_momenta"][0], before[0]["scape"]["groups"][1]["dense_momenta"][0])
+    if MASKS[masks].get("dense_wire") == "bf16":  # the rounding every old rank kept, summed onto new rank 0
+        for gi in (0, 1):
+            kept = [s["scape"]["groups"][gi]["dense_error"] for s in before]
+            assert kept[0].abs().max() > 0
+            assert torch.equal(after[0]["scape"]["groups"][gi]["dense_error"], sum_in_rank_order(kept).float())
+            assert not any(s["scape"]["groups"][gi]["dense_error"].any() for s in after[1:])
     if MASKS[masks].get("mask") == "shared":  # the held mask indexes 2 ranks' slots over 14 tiles: dropped
         assert old_groups[0]["held_mask"] is not None
     # the replicated momentum is old rank 0's, re-padded (flat layout, or coefficients for adams_coef)

@@ -194,3 +194,14 @@ def test_local_steps_refused_under_zero3():
 
     with pytest.raises(ValueError, match="scape.local_steps 30 is not built for ZeRO stage 3"):
         check_stage3_config({"zero_optimization": {"stage": 3}}, parse_scape_config(dict(basis="dct", local_steps=30)))
+
+
+def test_dense_wire_is_for_the_dct_basis_at_stage_0_1():
+    from scape_ds.zero3 import check_stage3_config
+
+    assert parse_scape_config(dict(basis="dct", dense_wire="bf16")).dense_wire == "bf16"
+    with pytest.raises(ValueError, match="dense_wire 'bf16' is built for basis 'dct'"):
+        parse_scape_config(dict(dense_wire="bf16"))
+    with pytest.raises(ValueError, match="scape.dense_wire 'bf16' is not built for ZeRO stage 3"):
+        check_stage3_config({"zero_optimization": {"stage": 3}},
+                            parse_scape_config(dict(basis="dct", dense_wire="bf16")))
