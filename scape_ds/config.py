@@ -406,6 +406,9 @@ class ScapeConfig(BaseModel):
         if self.dense_wire != "fp32" and self.basis != "dct":
             raise ValueError(f"dense_wire {self.dense_wire!r} is built for basis 'dct' (its dense tensors' "
                              f"all-reduce); got basis {self.basis!r}")
+        if self.outer_update == "sign" and "outer_lr" not in self.model_fields_set:
+            raise ValueError("outer_update 'sign' moves every synchronized parameter by outer_lr each outer step (a "
+                             "step in parameter units, not DiLoCo's 0.7): set outer_lr, e.g. H x the inner lr")
         if self.local_steps > 1:
             settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False),
                             hierarchy=(self.hierarchy, "flat"), mask_source=(self.mask_source, "union"),

@@ -146,12 +146,12 @@ def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Te
     ``error`` at their ``offsets`` (emptied by :func:`pick_per_rank`), all-gather the uint8 payloads
     and return every rank's decoded values, (D k,) fp32, the same bits on every rank."""
     payload = encode_values(values, k_per_chunk, bits)  # (L,) uint8
-    sent = decode_values(payload, values.numel(), k_per_chunk, bits)  # (k,) what every rank will add
+    sent = decode_values(payload, values.numel(), k_per_chunk, bits).to(values.dtype)  # (k,) what every rank adds
     error.index_copy_(0, offsets_to_index(offsets, chunk_size, k_per_chunk), values - sent)
     every = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (D L,)
     comm.all_gather(every, payload, "grad_ag")
     return torch.cat([decode_values(part, values.numel(), k_per_chunk, bits)
-                      for part in every.view(comm.world_size, -1)])
+                      for part in every.view(comm.world_size, -1)]).to(values.dtype)
 
 
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,

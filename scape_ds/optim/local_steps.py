@@ -65,8 +65,9 @@ class LocalSteps:
         self.opt, cfg = opt, opt.cfg
         self.H = cfg.local_steps
         kind = torch.optim.AdamW if cfg.inner_optimizer == "adamw" else AdamS
-        groups = [dict({k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay")},
-                       params=list(g["params"])) for g in opt.param_groups]
+        self._keys = ("lr", "betas", "eps", "weight_decay") + (("bias_correction",) if kind is AdamS else ())
+        groups = [dict({k: v for k, v in g.items() if k in self._keys}, params=list(g["params"]))
+                  for g in opt.param_groups]
         self.inner = kind(groups)  # the local parameters (the sparse ones are views into flat_param)
         nesterov = cfg.outer_update == "nesterov"
         self.synced = []
@@ -80,8 +81,8 @@ class LocalSteps:
     # ------------------------------------------------------------------ step
     def step(self, t: int) -> None:
         opt = self.opt
-        for group, inner in zip(opt.param_groups, self.inner.param_groups):  # a scheduler moves the outer lr
-            inner["lr"] = group["lr"]
+        for group, inner in zip(opt.param_groups, self.inner.param_groups):  # a scheduler moves the outer group
+            inner.update({k: group[k] for k in self._keys})
         for gs in opt._groups:
             if gs.flat_param is not None:
                 opt._attach_grads(gs)

@@ -236,7 +236,8 @@ class ScapeAdamS(Optimizer):
                     # "signum": the sign of a momentum of the decoded mean, on every rank (N_pad,)
                     gs.momentum = {"sign": None, "adams": torch.zeros_like(flat, dtype=state_dtype),
                                    "signum": torch.zeros_like(flat, dtype=state_dtype), "rms": None,
-                                   "adams_coef": torch.zeros_like(gs.error)}[self.cfg.dct_update]
+                                   "adams_coef": torch.zeros(gs.tiles.numel, dtype=state_dtype, device=device),
+                                   }[self.cfg.dct_update]  # adams_coef: every coefficient, under a hierarchy too
                     if self.cfg.mask == "shared" and self.cfg.mask_source == "momentum":
                         gs.coef_momentum = torch.zeros(gs.tiles.shard_numel, dtype=state_dtype, device=device)
                 if self.cfg.reselect_interval:
@@ -858,6 +859,20 @@ class ScapeAdamS(Optimizer):
         if mismatch:
             raise ValueError(f"checkpoint was saved with {mismatch}: their optimizer states differ; resume with "
                              f"the saved settings")
+        saved_config = sc.get("config", {})
+        saved_h = saved_config.get("local_steps", 1)
+        if (saved_h > 1) != (self.cfg.local_steps > 1):
+            raise ValueError(f"checkpoint was saved with scape.local_steps {saved_h}, this run has "
+                             f"{self.cfg.local_steps}: resume with local_steps both 1 or both > 1 (the synchronized "
+                             f"parameters and the inner optimizer's state are kept only with local steps)")
+        if self.cfg.local_steps > 1:
+            for name in ("inner_optimizer", "outer_update"):
+                if saved_config.get(name) != getattr(self.cfg, name):
+                    raise ValueError(f"checkpoint was saved with scape.{name} {saved_config.get(name)!r}, this run "
+                                     f"has {getattr(self.cfg, name)!r}: their states differ; resume with the saved one")
+            if sc.get("resharded_from") is not None:
+                raise ValueError("elastic resume with scape.local_steps > 1 is not built: resume on the saved "
+                                 "number of data-parallel ranks")
         saved_rule = sc.get("config", {}).get("update_rule", "lazy")
         if saved_rule != self.cfg.update_rule:
             raise ValueError(f"checkpoint was saved with scape.update_rule {saved_rule!r}, this run has "
@@ -911,17 +926,8 @@ class ScapeAdamS(Optimizer):
                 if gs.master.data_ptr() != shard.data_ptr():
                     shard.copy_(gs.master)
                 self.comm.all_gather(gs.flat_param, shard, "init")
-        saved_local = sc.get("local")
-        if (saved_local is None) != (self._local is None):
-            raise ValueError(f"checkpoint was saved with scape.local_steps "
-                             f"{saved_local['H'] if saved_local else 1}, this run has {self.cfg.local_steps}: "
-                             f"resume with local_steps both 1 or both > 1 (the synchronized parameters and the "
-                             f"inner optimizer's state are kept only with local steps)")
         if self._local is not None:
-            if sc.get("resharded_from") is not None:
-                raise ValueError("elastic resume with scape.local_steps > 1 is not built: resume on the saved "
-                                 "number of data-parallel ranks")
-            self._local.load_state_dict(saved_local)
+            self._local.load_state_dict(sc["local"])
         self._step = sc["step"]
         self._refresh_next = bool(sc.get("refresh_next", False))
         self._last_dense, self._dense_steps = sc.get("last_dense", 0), sc.get("dense_steps", 0)

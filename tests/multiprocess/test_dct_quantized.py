@@ -130,3 +130,22 @@ def test_dense_wire_bf16_keeps_its_rounding_and_halves_the_dense_bytes(tmp_path)
     for s in r["stats"]:
         assert s["by_tag"]["dense_ar"] == collective_bytes("all_reduce", r["dense"] * 2, D), s["by_tag"]
     assert r["memory"]["error_feedback"] >= r["dense"] * 4
+
+
+def _worker_fp64(rank, world_size, tmp_path, bits):
+    from .models import loss_fn, make_batch
+
+    model = make_mlp(seed=3).double()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, scape=dict(SCAPE, value_bits=bits))
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, *(t.double() for t in make_batch(step, rank))).backward()
+        opt.step()
+    params = flat_params(model)
+    every = [torch.empty_like(params) for _ in range(world_size)]
+    dist.all_gather(every, params)
+    return all(torch.equal(params, p) for p in every) and params.dtype == torch.float64
+
+
+def test_coded_values_with_fp64_parameters(tmp_path):
+    assert run_ranks(_worker_fp64, 2, tmp_path, 8) == [True, True]

@@ -192,3 +192,23 @@ def test_dct_hierarchy_density_one_adams_is_dense_adams(tmp_path, mask):
     # fp64: the transform's round trip and another summation order; a wrong exchange (a slice lost, a
     # mean divided by M instead of D) is off by the size of an update (~1e-2)
     assert max(diffs) <= 1e-10, diffs
+
+
+def _worker_rules(rank, world_size, tmp_path, update, dtype):
+    model = make_mlp(seed=6).to(dtype)
+    opt = _optimizer(model, parse_scape_config(dict(SCAPE, mask="shared", dct_update=update, value_bits=32,
+                                                    hierarchy="node", intra_node_size=G)))
+    equal = True
+    for step in range(3):
+        opt.zero_grad()
+        x, y = (t.to(dtype) for t in make_batch(step, rank))
+        loss_fn(model, x, y).backward()
+        opt.step()
+        equal &= _equal_on_every_rank(flat_params(model))
+    return equal, bool(torch.isfinite(flat_params(model)).all())
+
+
+@pytest.mark.parametrize("update", ["adams_coef", "signum"])
+def test_dct_hierarchy_runs_the_stateful_rules_with_equal_replicas(tmp_path, update):
+    # adams_coef keeps its momentum in coefficients: every coefficient on every rank, not the slice
+    assert run_ranks(_worker_rules, D, tmp_path, update, torch.float32) == [(True, True)] * D

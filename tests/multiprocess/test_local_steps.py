@@ -183,3 +183,27 @@ def test_sparse_outer_steps_replicas_error_feedback_bytes_resume(tmp_path, value
         else:
             want = {"grad_ag": (D - 1) * values, "index_ag": (D - 1) * k * 2, "dense_ar": dense_ar}
             assert s["by_tag"] == want, s
+
+
+def test_resume_with_other_local_settings_is_refused_before_anything_loads():
+    from scape_ds.comm.sim import SimulatedCommunicator
+
+    def opt_of(model, **kw):
+        return ScapeAdamS(model.parameters(), **HP, comm=SimulatedCommunicator(1, 0),
+                          scape=dict(SCAPE, sparsity=0.9, **kw))
+
+    model = make_mlp(seed=2)
+    opt = opt_of(model)
+    opt.zero_grad()
+    _backward(model, 0, 0)
+    opt.step()
+    saved = opt.state_dict()
+    for kw, needle in ((dict(inner_optimizer="adams"), "scape.inner_optimizer 'adamw', this run has 'adams'"),
+                       (dict(outer_update="sign", outer_lr=0.01), "saved with scape.outer_update 'nesterov'"),
+                       (dict(local_steps=1), "saved with scape.local_steps 3, this run has 1")):
+        other_model = make_mlp(seed=9)
+        other = opt_of(other_model, **kw)
+        before = flat_params(other_model)
+        with pytest.raises(ValueError, match=needle):
+            other.load_state_dict(saved)
+        assert torch.equal(flat_params(other_model), before) and other.step_count == 0  # nothing half-loaded

@@ -187,6 +187,9 @@ def test_local_steps_settings_and_refusals():
         parse_scape_config(dict(basis="dct", local_steps=2, outer_momentum=1.0))
     with pytest.raises(ValueError, match="scape.outer_lr: must be > 0"):
         parse_scape_config(dict(basis="dct", local_steps=2, outer_lr=0.0))
+    with pytest.raises(ValueError, match="outer_update 'sign' moves every synchronized parameter by outer_lr"):
+        parse_scape_config(dict(basis="dct", local_steps=2, outer_update="sign"))  # 0.7 would be no step size
+    assert parse_scape_config(dict(basis="dct", local_steps=2, outer_update="sign", outer_lr=0.03)).outer_lr == 0.03
 
 
 def test_local_steps_refused_under_zero3():
