@@ -102,8 +102,11 @@ def test_stage1_fixture_loads_with_the_saved_state(tmp_path):
         # per param group: entries added since (basis "dct" state) are empty for this coordinate-basis run
         for group, saved_group in zip(opt_state["scape"]["groups"], saved["scape"]["groups"]):
             added = {k: group.pop(k) for k in list(group) if k not in saved_group}
-            assert set(added) <= {"held_mask", "coef_momentum", "coef_numel"}, added
+            assert set(added) <= {"held_mask", "coef_momentum", "coef_numel", "dense_error"}, added
             assert all(v is None for v in added.values()), added
+        # the optimizer's own entries added since (local_steps' state) are empty too
+        added = {k: opt_state["scape"].pop(k) for k in list(opt_state["scape"]) if k not in saved["scape"]}
+        assert set(added) <= {"local"} and all(v is None for v in added.values()), added
         _assert_same(opt_state, saved, f"rank {rank} optimizer state")
 
 
