@@ -417,6 +417,14 @@ def run_setting(nodes: int, rate: str, args) -> dict:
     return res
 
 
+def _save_png(fig, path: str) -> None:
+    """The quality bench's palette PNG (bench/ stays under 1 MB in git)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from qualitybench.plots import _save_png as save
+
+    save(fig, path)
+
+
 def period_s(row: dict, period: int) -> float:
     """Mean step time over one refresh period of ``period`` steps: T-1 sparse steps and one refresh
     (a row without both kinds, dense AdamW: its median step)."""
@@ -477,7 +485,7 @@ def hier_plot(all_res: list[dict], period: int, path: str) -> None:
         ax.set_title(f"{res['nodes']} nodes x {res.get('ranks_per_node', 1)} ranks, {res['rate']} links")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_png(fig, path)
     plt.close(fig)
 
 
@@ -545,7 +553,7 @@ def plot(all_res: list[dict], path: str) -> None:
     axes[0][0].set_ylabel("median step time (ms); dotted: floor")
     axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_png(fig, path)
     plt.close(fig)
 
 
