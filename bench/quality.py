@@ -57,7 +57,8 @@ grad``), ``demo_noclip``, ``demo_mean`` (mean over the ranks that sent a coeffic
 Local SGD (``local_sgd``): ``diloco_H30``, ``diloco_H100``, DiLoCo, and ``sparseloco_H30``, SparseLoCo, over
 the dense AdamW run (qualitybench/baselines.py; no checkpoints).
 Groups: ``comparison``, ``sweep`` (the lr 3e-3 refresh sweep), ``lr1e-3`` (all lr 1e-3 runs), ``lr_high``,
-``hier``, ``update_rules``, ``dct``, ``demos``, ``local_sgd``, ``zero3``, ``all``.
+``hier``, ``update_rules``, ``dct``, ``demos``, ``local_sgd``, ``local_steps`` (``scape.local_steps``),
+``zero3``, ``all``.
 
 Seeds and the held-apart split: ``--test-fraction F`` holds apart the last F of the corpus (validation
 is the ``--val-fraction`` before it, training the rest); each run then reports ``test_loss``, its final

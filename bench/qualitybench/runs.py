@@ -61,6 +61,9 @@ RUNS: dict[str, tuple] = {
     # 2 nodes x 2, next to scape99 at --ranks 4
     "scape99_hier": ("SCAPE 0.99, T=100, hierarchy node (2 ranks per node)", COORD,
                      dict(hierarchy="node", intra_node_size=2)),
+    # the same in basis dct (ds_configs/scape_hier.json = scape_dct.json + hierarchy node), beside dct99 --ranks 4
+    "hier_dct99": ("SCAPE dct 0.99, hierarchy node (2 ranks per node)", "scape_dct.json",
+                   dict(hierarchy="node", intra_node_size=2)),
     # update rules (scape_ds/optim/update_rules.py): how coordinates outside the mask learn
     "catchup99": ("SCAPE 0.99 catchup (gain 0.3), T=100", COORD, dict(update_rule="catchup")),
     "catchup99_g0.1": ("SCAPE 0.99 catchup gain 0.1, T=100", COORD,
@@ -119,6 +122,10 @@ RUNS: dict[str, tuple] = {
                         dict(dct_update="adams_coef")),
     # the default (scape_dct.json) with 32 coefficients per tile instead of 41: DeMo's k, every other setting
     # ours (1-D tensors dense AdamS, sum / D). Named "demo" until the independent DeMo (demo.py) replaced it
+    # issue 45's bytes lever: the default with 8-bit coded values (scape.value_bits, exchange/quantize.py)
+    "dct99_q8": ("SCAPE dct 0.99, 8-bit values (per-tile absmax)", "scape_dct.json", dict(value_bits=8)),
+    # issue 47: the default's exchange carrying DiLoCo's pseudo-gradients every 30 steps (scape.local_steps)
+    "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json", {}),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
     # ZeRO-3 (path B, coordinate basis: ds_configs/scape_zero3_coordinate.json, scape_zero3.json until it moved to
     # basis dct): norms, biases and tensors under dense_numel_threshold reduced densely as on path A, against every
@@ -128,6 +135,8 @@ RUNS: dict[str, tuple] = {
                          {}),
     # ZeRO-3 in basis dct (ds_configs/scape_zero3.json: scape_dct.json's exchange over each parameter's full shape)
     "z3dct99": ("SCAPE dct 0.99 under ZeRO-3, per-rank masks, sign of the decoded mean", "scape_zero3.json", {}),
+    "z3dct99_shared": ("SCAPE dct 0.99 under ZeRO-3, shared mask (nominated union)", "scape_zero3.json",
+                       dict(mask="shared")),
     # DiLoCo (arXiv 2311.08105): H local AdamW steps, then the outer Nesterov step (baselines.py)
     "diloco_H30": ("DiLoCo H=30 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
     "diloco_H100": ("DiLoCo H=100 (outer Nesterov lr 0.7, momentum 0.9)", "dense_adamw.json", {}),
@@ -169,14 +178,16 @@ SWEEP_LR1E3 = ["scape99_T10_lr1e-3", "scape99_T25_lr1e-3", "scape99_T200_lr1e-3"
                "scape99_sparse_T10_lr1e-3", "randk99_lr1e-3", "scape95_lr1e-3"]
 LR_HIGH = ["adamw_lr6e-3", "scape90_lr6e-3", "scape99_lr6e-3", "scape90_lr1e-2", "scape99_lr1e-2", "scape90_lr4.5e-3",
            "scape99_lr4.5e-3", "scape99_T50_lr6e-3"]
-HIER = ["scape99_hier"]
+HIER = ["scape99_hier", "hier_dct99"]
 DCT = [n for n in RUNS if n.startswith("dct")]
 DEMO = [n for n in RUNS if n.startswith("demo")]
 LOCAL_SGD = [n for n in BASELINES if n.startswith(("diloco", "sparseloco"))]
+LOCAL_STEPS = [n for n in RUNS if n.startswith("local")]  # scape.local_steps (issue 47)
 ZERO3 = [n for n in RUNS if n.startswith("z3")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
-          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "demos": DEMO, "local_sgd": LOCAL_SGD, "zero3": ZERO3,
+          "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "demos": DEMO, "local_sgd": LOCAL_SGD,
+          "local_steps": LOCAL_STEPS, "zero3": ZERO3,
           "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
