@@ -8,11 +8,13 @@ buffer, shared with the overlapped exchange (:mod:`scape_ds.optim.dct_overlap`).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..exchange.coefficients import decode_dct, square_norm_fp64
 
-__all__ = ["apply_update", "dct_update"]
+__all__ = ["apply_update", "dct_update", "dense_square_norm", "replicated_clip_coefficient"]
 
 
 def apply_update(rule: str, param: torch.Tensor, signal: torch.Tensor, momentum: torch.Tensor | None,
@@ -61,3 +63,31 @@ def dct_update(rule: str, kernels, group: dict, gs, signal: torch.Tensor, scale:
     kernels.dense_adams_update(delta, gs.momentum, signal, None, weight_decay=0.0, **hyper)
     step = decode_dct(gs.tiles, delta, gs.flat_grad, gs.dct_q, kernels)  # (N_pad,)
     gs.flat_param.mul_(1.0 - lr * wd).add_(step)
+
+
+def dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None) -> float:
+    """The squared norm of the dense tensors' reduced gradients ((M,), ``params`` in order), tensors
+    marked ``scape_norm_skip`` (counted on another model-parallel rank) left out."""
+    if dense_g is None:
+        return 0.0
+    grads = torch.split(dense_g, [p.numel() for p in params])
+    return sum(float(g.double().square().sum()) for p, g in zip(params, grads)
+               if not getattr(p, "scape_norm_skip", False))
+
+
+def replicated_clip_coefficient(groups, signals, max_grad_norm: float,
+                                sum_over_norm_group) -> tuple[float, float | None]:
+    """basis "dct": the ``gradient_clipping`` factor, and the norm (None when off), from what each
+    group's update consumes (``signals``: per group the decoded mean, or the mean coefficients: the same
+    norm, Q being orthonormal, up to the tiles' padding; and the dense tensors' mean gradients), which
+    every data-parallel rank holds alike (no data-parallel collective; ``sum_over_norm_group`` adds the
+    other model-parallel ranks')."""
+    if max_grad_norm <= 0:
+        return 1.0, None
+    total = 0.0
+    for gs, (signal, dense_g) in zip(groups, signals):
+        if signal is not None and not gs.norm_skip:
+            total += float(square_norm_fp64(signal))
+        total += dense_square_norm(gs.dense_params, dense_g)
+    norm = math.sqrt(sum_over_norm_group(total))
+    return min(1.0, max_grad_norm / (norm + 1e-6)), norm

@@ -38,7 +38,27 @@ from ..exchange.coefficients import decode_dct, exchange_dct, square_norm_fp64
 from ..exchange.core import step_comm_stats
 from .adams import AdamS
 
-__all__ = ["LocalSteps"]
+__all__ = ["LocalSteps", "check_local_settings"]
+
+
+def check_local_settings(saved: dict, cfg, resharded: bool) -> None:
+    """Refuse, before anything loads, a checkpoint (its ``"scape"`` config ``saved``) whose local-steps
+    state this run (``cfg``) cannot take: local steps on one side only, another inner optimizer or
+    outer update, or an elastic resume (``resharded``)."""
+    saved_h = saved.get("local_steps", 1)
+    if (saved_h > 1) != (cfg.local_steps > 1):
+        raise ValueError(f"checkpoint was saved with scape.local_steps {saved_h}, this run has {cfg.local_steps}: "
+                         f"resume with local_steps both 1 or both > 1 (the synchronized parameters and the inner "
+                         f"optimizer's state are kept only with local steps)")
+    if cfg.local_steps == 1:
+        return
+    for name in ("inner_optimizer", "outer_update"):
+        if saved.get(name) != getattr(cfg, name):
+            raise ValueError(f"checkpoint was saved with scape.{name} {saved.get(name)!r}, this run has "
+                             f"{getattr(cfg, name)!r}: their states differ; resume with the saved one")
+    if resharded:
+        raise ValueError("elastic resume with scape.local_steps > 1 is not built: resume on the saved number of "
+                         "data-parallel ranks")
 
 
 @dataclass

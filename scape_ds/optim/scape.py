@@ -54,8 +54,8 @@ from ..exchange.node import FlatStage, NodeStage
 from ..kernels import get_kernels
 from .adams import adams, check_adams_hyperparameters
 from .dct_overlap import DctOverlap
-from .dct_step import dct_update
-from .local_steps import LocalSteps
+from .dct_step import dct_update, dense_square_norm, replicated_clip_coefficient
+from .local_steps import LocalSteps, check_local_settings
 from .overlap import OverlapExchange
 from .update_rules import catchup_step, drift_coefficient, pack_signs, unpack_signs, window_mean
 
@@ -394,7 +394,8 @@ class ScapeAdamS(Optimizer):
                 if cfg.dct_update != "adams_coef":
                     signal = decode_dct(gs.tiles, signal, gs.flat_grad, gs.dct_q, self._kernels)  # (N_pad,) u
             signals.append((signal, dense_g))
-        scale = self._replicated_clip_coefficient(signals)
+        scale, self.last_grad_norm = replicated_clip_coefficient(self._groups, signals, self.max_grad_norm,
+                                                                 self._sum_over_norm_group)
         for group, gs, (signal, dense_g) in zip(self.param_groups, self._groups, signals):
             self._update_group(group, gs, None, dense_g, scale, False)  # the dense tensors
             if signal is not None:
@@ -439,22 +440,6 @@ class ScapeAdamS(Optimizer):
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
 
-    def _replicated_clip_coefficient(self, signals) -> float:
-        """basis "dct": the ``gradient_clipping`` factor from what each group's update consumes (the
-        decoded mean, or the mean coefficients: the same norm, Q being orthonormal, up to the tiles'
-        padding) and the dense gradients, which every data-parallel rank holds alike (no data-parallel
-        collective)."""
-        if self.max_grad_norm <= 0:
-            self.last_grad_norm = None
-            return 1.0
-        total = 0.0
-        for gs, (signal, dense_g) in zip(self._groups, signals):
-            if signal is not None and not gs.norm_skip:
-                total += float(square_norm_fp64(signal))
-            total += _dense_square_norm(gs.dense_params, dense_g)
-        norm = math.sqrt(self._sum_over_norm_group(total))
-        self.last_grad_norm = norm
-        return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
     def _attach_grads(self, gs: _GroupState, count: bool = True) -> None:
         """Make every sparse parameter's ``.grad`` its view into ``flat_grad`` again. A gradient that is
@@ -586,7 +571,7 @@ class ScapeAdamS(Optimizer):
                 # a reduction, no copy of the shard; a dense step's sum over ranks is divided here
                 norm = torch.linalg.vector_norm(sparse_g, dtype=torch.float64) / gs.grad_divisor
                 sharded += norm.square().to(sharded.device)
-            replicated += _dense_square_norm(gs.dense_params, dense_g)
+            replicated += dense_square_norm(gs.dense_params, dense_g)
         self.comm.all_reduce(sharded, "norm_ar")
         self._node.all_reduce(sharded, "norm_ar")  # hierarchy "node": the other slices
         norm = math.sqrt(self._sum_over_norm_group(float(sharded) + replicated))
@@ -859,20 +844,7 @@ class ScapeAdamS(Optimizer):
         if mismatch:
             raise ValueError(f"checkpoint was saved with {mismatch}: their optimizer states differ; resume with "
                              f"the saved settings")
-        saved_config = sc.get("config", {})
-        saved_h = saved_config.get("local_steps", 1)
-        if (saved_h > 1) != (self.cfg.local_steps > 1):
-            raise ValueError(f"checkpoint was saved with scape.local_steps {saved_h}, this run has "
-                             f"{self.cfg.local_steps}: resume with local_steps both 1 or both > 1 (the synchronized "
-                             f"parameters and the inner optimizer's state are kept only with local steps)")
-        if self.cfg.local_steps > 1:
-            for name in ("inner_optimizer", "outer_update"):
-                if saved_config.get(name) != getattr(self.cfg, name):
-                    raise ValueError(f"checkpoint was saved with scape.{name} {saved_config.get(name)!r}, this run "
-                                     f"has {getattr(self.cfg, name)!r}: their states differ; resume with the saved one")
-            if sc.get("resharded_from") is not None:
-                raise ValueError("elastic resume with scape.local_steps > 1 is not built: resume on the saved "
-                                 "number of data-parallel ranks")
+        check_local_settings(sc.get("config", {}), self.cfg, sc.get("resharded_from") is not None)
         saved_rule = sc.get("config", {}).get("update_rule", "lazy")
         if saved_rule != self.cfg.update_rule:
             raise ValueError(f"checkpoint was saved with scape.update_rule {saved_rule!r}, this run has "
@@ -936,16 +908,6 @@ class ScapeAdamS(Optimizer):
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     """Optimizer state (master, momentum, error feedback) is fp32, or fp64 for fp64 parameters."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _dense_square_norm(params: list[torch.Tensor], dense_g: torch.Tensor | None) -> float:
-    """The squared norm of the dense tensors' reduced gradients ((M,), ``params`` in order), tensors
-    marked ``scape_norm_skip`` (counted on another model-parallel rank) left out."""
-    if dense_g is None:
-        return 0.0
-    grads = torch.split(dense_g, [p.numel() for p in params])
-    return sum(float(g.double().square().sum()) for p, g in zip(params, grads)
-               if not getattr(p, "scape_norm_skip", False))
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:

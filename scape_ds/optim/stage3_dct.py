@@ -29,7 +29,7 @@ One step on data-parallel rank r:
      (now u, the same (N_pad,) tensor on every rank).
   4. u's slice at each of this rank's pieces goes into ZeRO-3's gradient partition: DeepSpeed's
      ``gradient_clipping`` then sees the norm of u and of the dense tensors' mean, as stage 0/1's
-     ``_replicated_clip_coefficient`` does. u is prepared in place for the rule (``sign``:
+     ``replicated_clip_coefficient`` (optim/dct_step.py) does. u is prepared in place for the rule (``sign``:
      sign(u); ``rms``: u / rms(u), the RMS over each whole tensor).
   5. DeepSpeed's step runs :class:`~scape_ds.zero3.Stage3AdamS` on each flat fp32 partition: with
      ``dct_update`` "sign", "rms" or "signum" a :class:`PartitionStep` moves the sparse pieces by the
