@@ -216,6 +216,14 @@ class ScapeConfig(BaseModel):
     included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). Its
     quality is not yet measured on the bench (bench/RESULTS.md)."""
 
+    decode: Literal["ranks", "senders"] = "ranks"
+    """``basis="dct"``, ``mask="per_rank"``: how the received coefficients become the mean u decodes.
+    ``ranks``: their sum / D, a coefficient one rank sent weighing 1/D of one all D sent (DeMo's paper).
+    ``senders``: each coefficient's sum divided by the number of ranks that sent it (DeMo's reference
+    code, ``scatter_reduce(..., "mean")``); the counts come from the offsets every rank already
+    received, so no byte more travels. One suspect of per_rank's loss of quality as D grows
+    (docs/design.md "Transform basis")."""
+
     dense_wire: Literal["fp32", "bf16"] = "fp32"
     """``basis="dct"``, ZeRO stage 0/1: the dtype in which the dense-exchanged tensors' gradients (1-D
     tensors, tensors under ``dense_numel_threshold``; 35% of the bytes of the 0.45M bench model) are
@@ -403,6 +411,12 @@ class ScapeConfig(BaseModel):
             if bad:
                 raise ValueError(f"value_bits {self.value_bits} codes the values of basis 'dct''s per-rank "
                                  f"exchange: " + ", ".join(bad))
+        if self.decode != "ranks":
+            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if bad:
+                raise ValueError(f"decode {self.decode!r} averages basis 'dct''s per-rank messages over their "
+                                 f"senders: " + ", ".join(bad))
         if self.dense_wire != "fp32" and self.basis != "dct":
             raise ValueError(f"dense_wire {self.dense_wire!r} is built for basis 'dct' (its dense tensors' "
                              f"all-reduce); got basis {self.basis!r}")

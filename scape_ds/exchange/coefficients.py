@@ -112,6 +112,16 @@ def add_per_rank(mean: torch.Tensor, all_values: torch.Tensor, all_offsets: torc
         mean.index_add_(0, offsets_to_index(all_offsets[part], chunk_size, k_per_chunk), all_values[part])
 
 
+def count_senders(count: torch.Tensor, all_offsets: torch.Tensor, world_size: int, chunk_size: int,
+                  k_per_chunk: int) -> None:
+    """``decode="senders"``: add 1 at every coefficient of ``count`` (the tiles it covers) for each rank
+    whose part of ``all_offsets`` ((D k,) int16, rank-major) names it."""
+    ones = torch.ones(all_offsets.numel() // world_size, dtype=count.dtype, device=count.device)
+    k = ones.numel()
+    for r in range(world_size):
+        count.index_add_(0, offsets_to_index(all_offsets[r * k : (r + 1) * k], chunk_size, k_per_chunk), ones)
+
+
 def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
     """||t||^2 summed in fp64, a block at a time (no fp64 copy of a whole gradient buffer: N elements,
     8 N bytes and a pass over them), as a 0-d fp64 tensor on ``t``'s device: the caller syncs once."""
@@ -197,7 +207,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
                  mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
                  held: HeldMask | None = None, dense: bool = False, node: FlatStage | NodeStage | None = None,
-                 value_bits: int = 32) -> tuple[torch.Tensor, HeldMask | None]:
+                 value_bits: int = 32, decode: str = "ranks") -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
@@ -215,7 +225,8 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     mean returned.
 
     ``value_bits`` 8 or 4 (mask "per_rank"): the values travel coded per tile
-    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``.
+    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``. ``decode`` "senders"
+    (mask "per_rank"): each coefficient's sum is divided by the number of ranks that sent it, not by D.
     """
     node = node or FlatStage()
     tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
@@ -234,10 +245,18 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         if node.size > 1:  # every slice's received values gathered in the node: the whole mean from them
             every_values, every_offsets = node.gather_received(all_values, all_offsets)  # (G, D k) each
             whole = torch.zeros(tiles_all.numel, dtype=error.dtype, device=error.device)  # (numel,)
+            count = torch.zeros_like(whole) if decode == "senders" else None  # (numel,) senders per coefficient
             for sl, (v, o) in enumerate(zip(every_values, every_offsets)):
-                add_per_rank(whole[sl * tiles.numel : (sl + 1) * tiles.numel], v, o, D, C, k_per_chunk)
-            return whole.div_(D * node.size), None
+                part = slice(sl * tiles.numel, (sl + 1) * tiles.numel)
+                add_per_rank(whole[part], v, o, D, C, k_per_chunk)
+                if count is not None:
+                    count_senders(count[part], o, D, C, k_per_chunk)
+            return _divide(whole, count, D, node.size), None
         add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
+        if decode == "senders":
+            count = torch.zeros_like(mean)  # (numel / G,) how many ranks sent each coefficient
+            count_senders(count, all_offsets, D, C, k_per_chunk)
+            return node.gather_coefficients(_divide(mean, count, D, node.size)), None
     elif mask == "shared":
         if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
@@ -266,6 +285,15 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
     return node.gather_coefficients(mean.div_(D * node.size)), keep
+
+
+def _divide(total: torch.Tensor, count: torch.Tensor | None, world: int, node_size: int) -> torch.Tensor:
+    """The mean of ``total`` (sums over ``world`` senders of node sums of ``node_size`` ranks) in place:
+    / (``world`` ``node_size``) (decode "ranks", ``count`` None), or / (each coefficient's senders x
+    ``node_size``) (decode "senders"; a coefficient nobody sent is 0 and stays 0)."""
+    if count is None:
+        return total.div_(world * node_size)
+    return total.div_(count.clamp_(min=1).mul_(node_size))
 
 
 def decode_dct(tiles: TileLayout, coef: torch.Tensor, out: torch.Tensor, q: torch.Tensor, kernels) -> torch.Tensor:

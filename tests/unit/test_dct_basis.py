@@ -170,6 +170,20 @@ def test_value_bits_is_for_the_per_rank_dct_exchange():
         parse_scape_config(dict(basis="dct", value_bits=16))
 
 
+def test_decode_senders_is_for_the_per_rank_dct_exchange():
+    assert parse_scape_config(dict(basis="dct")).decode == "ranks"
+    assert parse_scape_config(dict(basis="dct", decode="senders")).decode == "senders"
+    with pytest.raises(ValueError, match="decode 'senders' averages basis 'dct''s per-rank messages over their "
+                                         "senders: basis 'coordinate'"):
+        parse_scape_config(dict(decode="senders"))
+    with pytest.raises(ValueError, match="mask 'shared' \\(needs 'per_rank'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", decode="senders"))
+    with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
+        parse_scape_config(dict(basis="dct", overlap=True, decode="senders"))
+    with pytest.raises(ValueError, match="scape.decode"):
+        parse_scape_config(dict(basis="dct", decode="mean"))
+
+
 def test_local_steps_settings_and_refusals():
     cfg = parse_scape_config(dict(basis="dct", local_steps=30))
     assert (cfg.local_steps, cfg.inner_optimizer, cfg.outer_update, cfg.outer_lr, cfg.outer_momentum) == (
