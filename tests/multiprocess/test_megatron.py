@@ -48,9 +48,10 @@ def _gathered_equal(t: torch.Tensor, group) -> bool:
 
 
 def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dropout=0.0, overlap=False,
-                  scape_extra=None, clip=0.5):
+                  scape_extra=None, clip=0.5, sync_every=1):
     """Train the Megatron GPT (flat for pp == 1 unless forced, PipelineModule otherwise); return per-step losses
-    and how many steps broke replica equality (DP replicas, TP-replicated parameters)."""
+    and how many steps broke replica equality (DP replicas, checked every ``sync_every``-th step: with
+    ``scape.local_steps`` H the replicas are equal only after each outer step; TP-replicated parameters)."""
     _set_env(rank)
     import scape_ds
     from scape_ds.megatron import MegatronGPT, build_pipeline_gpt, init_model_parallel, model_parallel_seed
@@ -97,7 +98,8 @@ def _worker_train(rank, world_size, tmp_path, tp, pp, sparsity, steps, gas=1, dr
                                 for o in engine.optimizer._overlaps()])
             engine.optimizer.synchronize()  # read outside a forward: wait for the new values
         params = [p.detach().reshape(-1) for p in engine.module.parameters()]
-        dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
+        if (step + 1) % sync_every == 0:
+            dp_breaks += not _gathered_equal(torch.cat(params), dp_group)
         replicated = [p.detach().reshape(-1) for p in engine.module.parameters()
                       if not getattr(p, "tensor_model_parallel", False)]
         if replicated:
@@ -172,6 +174,24 @@ def test_dct_099_under_model_parallelism_trains_with_equal_replicas(tmp_path, tp
     losses = results[0][0]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     assert all(dp == 0 and tpb == 0 for _, dp, tpb in results), [r[1:] for r in results]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2", "pp2"])
+def test_local_steps_under_model_parallelism_reproduce_one_rank_per_replica(tmp_path, tp, pp):
+    # scape.local_steps 3 at sparsity 0: inner AdamW steps clipped on each replica's own norm (summed
+    # over its TP / PP ranks), every third step the pseudo-gradient's exchange and the outer Nesterov
+    # step; TP 2 x DP 2 and PP 2 x DP 2 train as TP 1 / PP 1 x DP 2 does, and the DP replicas are
+    # bitwise equal after every outer step
+    local = dict(DCT, local_steps=3)
+    gas = 1 if pp > 0 else 2
+    ref = run_ranks(_worker_train, 2, tmp_path / "ref", 1, pp // abs(pp), 0.0, 9, gas, 0.0, False, local, 0.5, 1)
+    split = run_ranks(_worker_train, 4, tmp_path / "split", tp, pp, 0.0, 9, gas, 0.0, False, local, 0.5, 3)
+    ref_losses, losses = ref[0][0], split[0][0]
+    assert ref_losses[-1] < ref_losses[0]
+    assert max(abs(a - b) for a, b in zip(ref_losses, losses)) < 1e-4, (ref_losses, losses)
+    # checked every step, the replicas differ after the 6 inner-only steps and agree after the 3 outer
+    assert all(r[1] == 6 and r[2] == 0 for r in ref), [r[1:] for r in ref]
+    assert all(r[1] == 0 and r[2] == 0 for r in split), [r[1:] for r in split]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, -2)], ids=["tp2xdp2", "pp2xdp2"])
