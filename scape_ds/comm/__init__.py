@@ -8,7 +8,7 @@ metered the same way, for byte counts and single-process tests.
 """
 from __future__ import annotations
 
-from .base import Communicator, Work
+from .base import Communicator, Work, all_gather_int16, all_gather_int16_async
 from .hierarchy import build_communicator, build_dp_communicators
 from .meter import ByteMeter, collective_bytes
 from .mpi_comm import MPICommunicator, mpi_available
@@ -17,4 +17,4 @@ from .torch_comm import TorchCommunicator, collective_device
 
 __all__ = ["Communicator", "Work", "ByteMeter", "collective_bytes", "TorchCommunicator", "MPICommunicator",
            "mpi_available", "build_communicator", "build_dp_communicators", "collective_device",
-           "SimulatedCommunicator"]
+           "SimulatedCommunicator", "all_gather_int16", "all_gather_int16_async"]

@@ -15,7 +15,7 @@ import torch
 
 from .meter import ByteMeter
 
-__all__ = ["Communicator", "Work"]
+__all__ = ["Communicator", "Work", "all_gather_int16", "all_gather_int16_async"]
 
 
 @runtime_checkable
@@ -59,3 +59,24 @@ class Communicator(Protocol):
 
     def barrier(self) -> None:
         """Block until every rank arrives."""
+
+
+def _int16_as_bytes(comm: Communicator, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit values travel as their bytes (gloo has no int16): the (2 D n,) uint8 output of their
+    all-gather and the (2 n,) uint8 view of ``values`` to send."""
+    out = torch.empty(comm.world_size * values.numel() * 2, dtype=torch.uint8, device=values.device)
+    return out, values.contiguous().view(torch.uint8)
+
+
+def all_gather_int16(comm: Communicator, values: torch.Tensor, tag: str) -> torch.Tensor:
+    """All-gather (n,) int16 ``values`` (e.g. in-tile offsets) over ``comm``: (D n,) int16, rank-major."""
+    out, send = _int16_as_bytes(comm, values)
+    comm.all_gather(out, send, tag)
+    return out.view(torch.int16)
+
+
+def all_gather_int16_async(comm: Communicator, values: torch.Tensor, tag: str) -> tuple[torch.Tensor, Work]:
+    """:func:`all_gather_int16`, asynchronously: the (D n,) int16 output, valid once the returned
+    handle is waited for, and the handle."""
+    out, send = _int16_as_bytes(comm, values)
+    return out.view(torch.int16), comm.all_gather_async(out, send, tag)

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Communicator
+from ..comm import Communicator, all_gather_int16
 from .basis import TileLayout, from_coefficients
 from .masks import offsets_to_index
 from .node import FlatStage, NodeStage
 from .quantize import decode_values, encode_values
 
 __all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
-           "add_per_rank", "square_norm_fp64", "all_gather_int16_async"]
+           "add_per_rank", "square_norm_fp64"]
 
 
 @dataclass
@@ -129,27 +129,6 @@ def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def _int16_as_bytes(comm: Communicator, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """16-bit offsets travel as their bytes (gloo has no int16): the (2 D n,) uint8 output of their
-    all-gather and the (2 n,) uint8 view of ``offsets`` to send."""
-    out = torch.empty(comm.world_size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)
-    return out, offsets.contiguous().view(torch.uint8)
-
-
-def _all_gather_int16(comm: Communicator, offsets: torch.Tensor) -> torch.Tensor:
-    """All-gather 16-bit offsets: (n,) -> (D n,) int16."""
-    out, send = _int16_as_bytes(comm, offsets)
-    comm.all_gather(out, send, "index_ag")
-    return out.view(torch.int16)
-
-
-def all_gather_int16_async(comm: Communicator, offsets: torch.Tensor):
-    """:func:`_all_gather_int16`, asynchronously: the (D n,) int16 output, valid once the returned
-    handle is waited for, and the handle."""
-    out, send = _int16_as_bytes(comm, offsets)
-    return out.view(torch.int16), comm.all_gather_async(out, send, "index_ag")
-
-
 def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor,
                       chunk_size: int, k_per_chunk: int, bits: int) -> torch.Tensor:
     """``value_bits`` < 32: code this rank's (k,) ``values`` per tile, keep what the coding loses in
@@ -169,7 +148,7 @@ def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.T
     """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
     all-gathered: one shared mask, kc slots per tile."""
     chosen = kernels.chunk_topk(scores, chunk_size, k_per_chunk)  # (S/C kc,) int16
-    all_chosen = _all_gather_int16(comm, chosen)  # (n_chunks kc,) rank-major, so chunk-major
+    all_chosen = all_gather_int16(comm, chosen, "index_ag")  # (n_chunks kc,) rank-major, so chunk-major
     return HeldMask(offsets_to_index(all_chosen, chunk_size, k_per_chunk), None, uses)  # (n_chunks kc,) int64
 
 
@@ -182,7 +161,7 @@ def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.
         return _owners_choice(comm, kernels, C, own, k_per_chunk, uses)
     K = max(1, k_per_chunk // D)
     nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
-    all_nominated = _all_gather_int16(comm, nominated)  # (D n_chunks K,) int16
+    all_nominated = all_gather_int16(comm, nominated, "index_ag")  # (D n_chunks K,) int16
     index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
     return HeldMask(index.view(-1), repeated.view(-1), uses)  # chunk-major, so shard-major
 
@@ -241,7 +220,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             comm.all_gather(all_values, values, "grad_ag")
         else:
             all_values = _all_gather_coded(comm, error, offsets, values, C, k_per_chunk, value_bits)  # (D k,)
-        all_offsets = _all_gather_int16(comm, offsets)  # (D k,) int16
+        all_offsets = all_gather_int16(comm, offsets, "index_ag")  # (D k,) int16
         if node.size > 1:  # every slice's received values gathered in the node: the whole mean from them
             every_values, every_offsets = node.gather_received(all_values, all_offsets)  # (G, D k) each
             whole = torch.zeros(tiles_all.numel, dtype=error.dtype, device=error.device)  # (numel,)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Communicator, collective_bytes
+from ..comm import Communicator, all_gather_int16, collective_bytes
 from .basis import TileLayout, to_coefficients
 from .masks import offsets_to_index
 
@@ -179,9 +179,8 @@ class NodeStage:
         instead of the (numel / G,) dense mean of :meth:`gather_coefficients`."""
         every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)  # (G n,)
         self.intra.all_gather(every, values, "values_ag")
-        raw = torch.empty(self.size * offsets.numel() * 2, dtype=torch.uint8, device=offsets.device)  # (2 G n,)
-        self.intra.all_gather(raw, offsets.contiguous().view(torch.uint8), "offsets_ag")  # gloo has no int16
-        return every.view(self.size, -1), raw.view(torch.int16).view(self.size, -1)
+        every_offsets = all_gather_int16(self.intra, offsets, "offsets_ag")  # (G n,) int16
+        return every.view(self.size, -1), every_offsets.view(self.size, -1)
 
     def dense_bytes(self, padded_numel: int, elem_bytes: int, dense_numel: int) -> int:
         """Intra-node bytes of a dense hierarchical step: reduce-scatter of (N_pad,), all-gather of

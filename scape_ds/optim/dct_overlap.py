@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm import all_gather_int16_async
 from ..exchange.basis import TileLayout, from_coefficients, to_coefficients
-from ..exchange.coefficients import add_per_rank, all_gather_int16_async, pick_per_rank
+from ..exchange.coefficients import add_per_rank, pick_per_rank
 from ..exchange.core import ValuesInFlight
 from .dct_step import apply_update
 
@@ -145,7 +146,7 @@ class DctOverlap:
             offsets, values = pick_per_rank(opt._kernels, gs.error[bucket.coef_lo : bucket.coef_hi], C, kc)
             all_values = torch.empty(D * values.numel(), dtype=values.dtype, device=values.device)  # (D k_b,)
             values_work = comm.all_gather_async(all_values, values, "grad_ag")
-            all_offsets, offsets_work = all_gather_int16_async(comm, offsets)  # (D k_b,) int16
+            all_offsets, offsets_work = all_gather_int16_async(comm, offsets, "index_ag")  # (D k_b,) int16
             work = _Both(values_work, offsets_work)
 
             def apply(bucket=bucket, all_values=all_values, all_offsets=all_offsets):

@@ -218,7 +218,8 @@ class ScapeAdamS(Optimizer):
                 gs.master = shard if dtype == state_dtype else shard.to(state_dtype)  # (S,) fp32
                 gs.momentum = torch.zeros_like(gs.master)  # (S,) fp32
                 gs.flat_grad = torch.zeros_like(flat)  # (N_pad,) compute dtype
-                gs.grad_slice = node.grad_buffer(gs.flat_grad)  # (N_pad/G,) hierarchy "node": N/G more per rank
+                # (N_pad/G,) hierarchy "node", coordinate basis: N/G more per rank (basis dct sums coefficients)
+                gs.grad_slice = gs.flat_grad if self.cfg.basis == "dct" else node.grad_buffer(gs.flat_grad)
                 gs.grad_views = [gs.flat_grad[off : off + n].view_as(p) for p, off, n in
                                  zip(sparse, layout.offsets, layout.numels)]
                 self._attach_grads(gs, count=False)  # the first backward's gradients are copied in once

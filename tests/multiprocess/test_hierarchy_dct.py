@@ -148,7 +148,8 @@ def _worker_sparse(rank, world_size, tmp_path, mask):
     dense_numel = sum(p.numel() for p in gs.dense_params)
     return dict(g1=g1, ef_worst=ef_worst, replicas=replicas, resume_equal=resume_equal, stats=stats,
                 flat_stats=flat_stats, memory=memory, numel=gs.tiles.numel, ef_numel=opt.error_feedback().numel(),
-                dense_numel=dense_numel, scale=float(accumulated.abs().max()), kc=opt.cfg.k_per_chunk)
+                dense_numel=dense_numel, scale=float(accumulated.abs().max()), kc=opt.cfg.k_per_chunk,
+                n_pad=gs.flat_grad.numel())
 
 
 @pytest.mark.parametrize("mask", ["per_rank", "shared"])
@@ -163,6 +164,8 @@ def test_dct_hierarchy_two_nodes_of_two(tmp_path, mask):
         assert r["resume_equal"], "resumed run differs"
         assert r["ef_numel"] == r["numel"] // G  # error feedback of this rank's slice only
         assert r["memory"]["error_feedback"] == r["numel"] // G * 4
+        # no node-sum buffer of the parameter-space gradient: the node sums coefficients
+        assert r["memory"]["grads"] == r["n_pad"] * 4 + r["dense_numel"] * 4, (r["memory"], r["n_pad"])
     r = results[0]
     numel, kc, nd = r["numel"], r["kc"], r["dense_numel"]
     dense_part = -(-nd // G)  # the dense tensors' slice each rank of a node carries across nodes
