@@ -119,8 +119,9 @@ def estimate_checkpoint_bytes(engine) -> int:
     ScapeAdamS (stage 0/1): DeepSpeed's model file (the parameters, plus data-parallel rank 0's
     optimizer state, which DeepSpeed stores there too) and one SCAPE file per data-parallel rank
     (an fp32 master and momentum shard, 8 N / D bytes, and the whole error-feedback buffer, N
-    elements). Any other optimizer: the parameters plus 16 bytes per parameter (fp32 master and two
-    moments), generous for Adam.
+    elements; with ``scape.local_steps`` also the synchronized copy, the outer momentum, the inner
+    optimizer's state and this rank's own local parameters). Any other optimizer: the parameters plus
+    16 bytes per parameter (fp32 master and two moments), generous for Adam.
     """
     n = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     param_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in engine.module.parameters())
@@ -130,6 +131,8 @@ def estimate_checkpoint_bytes(engine) -> int:
     d = opt.dp_world_size
     ef_bytes = 2 if opt.cfg.error_feedback_dtype == "bf16" else 4
     per_rank = 8 * n // d + ef_bytes * n
+    if opt._local is not None:  # the local-steps state every rank saves (scape_ds/optim/local_steps.py)
+        per_rank += opt._local.memory_bytes() + param_bytes
     return param_bytes + (d + 1) * per_rank
 
 

@@ -177,6 +177,27 @@ def _worker_changed_settings(rank, world_size, tmp_path, ckpt, phase):
     return out
 
 
+def _worker_local_steps_size(rank, world_size, tmp_path, ckpt):
+    _set_env(rank)
+    from scape_ds.checkpoint import estimate_checkpoint_bytes, save_checkpoint
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape_local.json", chunk_size=256, dense_numel_threshold=1024))
+    _train(engine, train, 0, 4)  # mid-period (H = 30): the local state differs by rank
+    save_checkpoint(engine, ckpt, 4, dict(step=4))
+    tag_dir = os.path.join(ckpt, "global_step4")
+    size = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
+    return size, estimate_checkpoint_bytes(engine)
+
+
+def test_checkpoint_size_estimate_counts_the_local_steps_state(tmp_path):
+    # the synchronized copy, outer momentum, AdamW's two moments and each rank's local parameters
+    # are saved per rank: an estimate without them was under half the files' size
+    (size, estimate), _ = run_ranks(_worker_local_steps_size, 2, tmp_path, str(tmp_path / "ckpt"))
+    assert 0.8 * size <= estimate <= 1.25 * size, (size, estimate)
+
+
 def test_resume_with_other_sparsity_chunk_size_and_interval_keeps_the_state(tmp_path):
     """Saved at 0.99 (C=256, T=4), resumed at 0.9 (and C=128, T=6): the weights, the momentum and
     the error-feedback sum are carried over, the masks are chosen afresh by a dense refresh, and
