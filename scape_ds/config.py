@@ -208,8 +208,11 @@ class ScapeConfig(BaseModel):
     AdamS on the DCT-rotated parameters). At 0.99 ``adams`` reached 1.73x dense AdamW and ``adams_coef``
     1.84x (bench/RESULTS.md), against 0.996x for ``sign``."""
 
-    value_bits: Literal[32, 8, 4] = 32
-    """``basis="dct"``, ``mask="per_rank"``: bits per sent coefficient value on the wire. 32: fp32. 8 or
+    value_bits: Literal[32, 16, 8, 4] = 32
+    """``basis="dct"``: bits per sent coefficient value on the wire. 16 (``mask="shared"``): the union's
+    values are reduce-scattered and all-gathered as bf16, each rank keeping what rounding its own
+    values lost in its error feedback (the bf16 sum's own rounding is not fed back); 6 bytes per slot
+    with its offset instead of 10. With ``mask="per_rank"``: 32: fp32. 8 or
     4: each tile's kc values scaled by their absmax to signed integers (+-127, +-7), one fp32 scale per
     tile, in one uint8 all-gather; what the rounding loses stays in the error feedback (sent + kept ==
     accumulated, with the decoded value as what was sent). Bytes per sent coefficient, its 16-bit offset
@@ -406,11 +409,13 @@ class ScapeConfig(BaseModel):
                 raise ValueError("mask_source 'momentum' is built for hierarchy 'flat' (its owners' first moment "
                                  "lives on the flat shards); use mask_source 'union' or 'owner' with hierarchy 'node'")
         if self.value_bits != 32:
-            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
+            mask = "shared" if self.value_bits == 16 else "per_rank"
+            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, mask), overlap=(self.overlap, False))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
             if bad:
-                raise ValueError(f"value_bits {self.value_bits} codes the values of basis 'dct''s per-rank "
-                                 f"exchange: " + ", ".join(bad))
+                what = ("sends the values of basis 'dct''s shared-mask exchange as bf16" if mask == "shared"
+                        else "codes the values of basis 'dct''s per-rank exchange")
+                raise ValueError(f"value_bits {self.value_bits} {what}: " + ", ".join(bad))
         if self.decode != "ranks":
             settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]

@@ -204,7 +204,9 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     mean returned.
 
     ``value_bits`` 8 or 4 (mask "per_rank"): the values travel coded per tile
-    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``. ``decode`` "senders"
+    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``. 16 (mask "shared"):
+    the slots' values are reduce-scattered and all-gathered as bf16; what rounding this rank's values
+    lost stays in ``error`` (the bf16 sums' own rounding is not fed back). ``decode`` "senders"
     (mask "per_rank"): each coefficient's sum is divided by the number of ranks that sent it, not by D.
     """
     node = node or FlatStage()
@@ -257,10 +259,14 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             if now.repeated is not None:
                 values.masked_fill_(now.repeated, 0.0)
         error.index_fill_(0, index, 0.0)
+        if value_bits == 16:  # bf16 on the wire: this rank keeps what rounding its values lost
+            wire = values.to(torch.bfloat16)  # (slots,)
+            error.index_add_(0, index, values - wire.to(values.dtype))  # a repeated slot adds 0
+            values = wire
         owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
         comm.reduce_scatter(owned, values, "grad_rs")
         comm.all_gather(values, owned, "grad_ag")  # every shard's sums, the same bits on every rank
-        mean.index_add_(0, index, values)  # a repeated slot adds 0
+        mean.index_add_(0, index, values.to(mean.dtype))  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
     return node.gather_coefficients(mean.div_(D * node.size)), keep

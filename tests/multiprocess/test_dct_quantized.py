@@ -17,7 +17,7 @@ from scape_ds.optim import ScapeAdamS
 
 from .harness import run_ranks
 from .models import flat_params, make_mlp
-from .test_dct import SCAPE, RecordingCommunicator, _logged_step, _offsets_of
+from .test_dct import SCAPE, RecordingCommunicator, _logged_step, _offsets_of, _sent_this_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,3 +149,55 @@ def _worker_fp64(rank, world_size, tmp_path, bits):
 
 def test_coded_values_with_fp64_parameters(tmp_path):
     assert run_ranks(_worker_fp64, 2, tmp_path, 8) == [True, True]
+
+
+def _worker_shared_bf16(rank, world_size, tmp_path, steps):
+    from scape_ds.exchange.basis import dct_matrix, to_coefficients
+    from scape_ds.kernels import torch_kernels
+
+    from .models import loss_fn, make_batch
+
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
+                     scape=dict(SCAPE, mask="shared", value_bits=16))
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    produced = sent = None
+    worst, mismatches, stats, wire_dtypes = 0.0, 0, [], set()
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, *make_batch(step, rank)).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+        opt.step()
+        gs = opt._groups[0]
+        if produced is None:
+            produced, sent = torch.zeros(gs.tiles.numel, dtype=torch.float64), torch.zeros(gs.tiles.numel,
+                                                                                           dtype=torch.float64)
+        to_coefficients(gs.tiles, grads, produced, dct_matrix(16, torch.float64), torch_kernels, decay=1.0)
+        wire_dtypes |= {inp.dtype for tag, inp, _ in comm.log if tag == "grad_rs"}
+        sent += _sent_this_step(comm, "shared", gs.tiles.numel, world_size, opt.cfg.k_per_chunk)  # the bf16 values
+        worst = max(worst, float((sent + opt.error_feedback().double() - produced).abs().max()))
+        stats.append(dict(opt.comm_stats))
+        params = flat_params(model)
+        every = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(every, params)
+        mismatches += sum(not torch.equal(params, p) for p in every)
+    return dict(worst=worst, mismatches=mismatches, stats=stats, wire=wire_dtypes, kc=opt.cfg.k_per_chunk,
+                numel=gs.tiles.numel, dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_mask_bf16_values_keep_their_rounding_and_cost_six_bytes_a_slot(tmp_path, world_size):
+    results = run_ranks(_worker_shared_bf16, world_size, tmp_path, 6)
+    for r in results:
+        assert r["mismatches"] == 0, "replicas differ"
+        assert r["wire"] == {torch.bfloat16}, r["wire"]
+        # sent (the bf16 values this rank put on the wire) + kept == accumulated: its rounding is kept
+        assert r["worst"] <= 1e-6 * r["scale"], (r["worst"], r["scale"])
+    r, D = results[0], world_size
+    n_chunks, K = r["numel"] // C, max(1, r["kc"] // world_size)
+    slots = n_chunks * D * K
+    for s in r["stats"]:
+        assert s["by_tag"] == {"index_ag": (D - 1) * n_chunks * K * 2,  # 2 B per slot, each way
+                               "grad_rs": (D - 1) * slots * 2 // D, "grad_ag": (D - 1) * slots // D * 2,
+                               "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]

@@ -167,7 +167,13 @@ def test_value_bits_is_for_the_per_rank_dct_exchange():
     with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
         parse_scape_config(dict(basis="dct", overlap=True, value_bits=8))
     with pytest.raises(ValueError, match="scape.value_bits"):
+        parse_scape_config(dict(basis="dct", value_bits=12))
+    assert parse_scape_config(dict(basis="dct", mask="shared", value_bits=16)).value_bits == 16
+    with pytest.raises(ValueError, match="value_bits 16 sends the values of basis 'dct''s shared-mask exchange as "
+                                         "bf16: mask 'per_rank' \\(needs 'shared'\\)"):
         parse_scape_config(dict(basis="dct", value_bits=16))
+    with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", overlap=True, value_bits=16))
 
 
 def test_decode_senders_is_for_the_per_rank_dct_exchange():
