@@ -2,6 +2,8 @@
 record, validation loss against bytes per step. PNGs as 64-colour palettes, so bench/ stays small."""
 from __future__ import annotations
 
+import re
+
 from .runs import DEFAULTS
 from .tables import _num, _reference, _settings, best_by_lr
 
@@ -105,11 +107,16 @@ def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None
         ax.set_xlabel("step")
         ax.set_ylim(top=top + 0.1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="best")
     axes[0][0].set_ylabel("validation loss (nats/byte)")
     fig.tight_layout()
     _save_png(fig, path)
     plt.close(fig)
+
+
+# run families drawn as curves on the loss-vs-bytes plot: one exchange, only k per tile varied (fp32 wire)
+EQUAL_BYTES_CURVES = {"per_rank": (r"dct9\d|dct99_k32", "tab:red"),
+                      "shared mask": (r"dct9\d_shared|dct_shared_k\d+", "tab:orange")}
 
 
 def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
@@ -122,21 +129,31 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(key, g) for key, g in sorted(best_by_lr(rows).items()) if "dense AdamW" in g and len(g) > 1]
+    main_split = (str(DEFAULTS["seed"]), str(DEFAULTS["val_fraction"]), "0")  # seed-1234 rows on the validation split
+    panels = [(key, g) for key, g in sorted(best_by_lr(rows).items(), key=lambda kv: (int(kv[0][0]), int(kv[0][4])))
+              if "dense AdamW" in g and len(g) > 1 and (key[3], key[5], key[6]) == main_split]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
+    cols = min(3, len(panels))
+    n_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(7 * cols, 5.5 * n_rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     style = {"dct": ("s", "tab:red"), "coordinate": ("o", "tab:blue"), "demo": ("D", "tab:green"),
              "local": ("v", "tab:purple"), "": ("^", "black")}
-    for ax, (key, g) in zip(axes[0], panels):
+    for ax, (key, g) in zip(axes.flat, panels):
         ref = _num(g["dense AdamW"][0]["val_loss"])
         ax.axhline(ref, color="k", linestyle="--", linewidth=1, label=f"dense AdamW {ref:.4f}")
         points = [(name, r, _num(r["bytes_frac"]), _num(r["val_loss"])) for name, (r, _) in sorted(g.items())
                   if name != "dense AdamW" and _num(r["bytes_frac"]) > 0]
+        for family, (pattern, color) in EQUAL_BYTES_CURVES.items():  # the same exchange at several k
+            line = sorted((frac, loss) for _, r, frac, loss in points if re.fullmatch(pattern, r["run"].split("__")[0]))
+            if len(line) > 1:
+                ax.plot(*zip(*line), color=color, linewidth=1, alpha=0.6, label=f"dct {family}, k per tile varied")
         for name, r, frac, loss in points:
             method = r.get("method")
-            kind = "demo" if method == "demo" else "local" if method in ("diloco", "sparseloco") else \
-                (r.get("basis") or "")
+            local = method in ("diloco", "sparseloco") or _num(r.get("local_steps") or 1) > 1
+            kind = "demo" if method == "demo" else "local" if local else (r.get("basis") or "")
             marker, color = style.get(kind, style[""])
             ax.scatter([frac], [loss], marker=marker, color=color, s=25)
             # names on the frontier (nothing with fewer or equal bytes is lower) and on every transform row
@@ -147,15 +164,18 @@ def plot_loss_vs_bytes(rows: dict[str, dict], path: str) -> None:
         for kind, (marker, color) in style.items():
             ax.plot([], [], marker=marker, color=color, linestyle="none", label={"dct": "SCAPE, basis dct",
                        "coordinate": "SCAPE / top-k, coordinate basis", "demo": "DeMo (bench/qualitybench/demo.py)",
-                       "local": "DiLoCo, SparseLoCo", "": "dense, other"}[kind])
+                       "local": "local steps (DiLoCo, SparseLoCo, scape.local_steps)", "": "dense, other"}[kind])
         n_layer, n_embd, steps, seed, ranks, *_ = key
         ax.set_xscale("log")
-        ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks",
-                     fontsize=9)
+        top = max([loss for *_, loss in points] + [ref])
+        clipped = top > 1.2 * ref
+        ax.set_ylim(0.98 * min([loss for *_, loss in points] + [ref]), min(top, 1.2 * ref) * 1.01)
+        ax.set_title(f"each at its best lr: GPT {n_layer}x{n_embd}, {steps} steps, seed {seed}, {ranks} ranks"
+                     + (" (rows above 1.2x off the plot)" if clipped else ""), fontsize=9)
         ax.set_xlabel("bytes per step / dense (log)")
         ax.set_ylabel("final validation loss (nats/byte)")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     _save_png(fig, path)
     plt.close(fig)
@@ -190,7 +210,7 @@ def plot_seeds(groups: list[dict], path: str) -> None:
         ax.set_xlabel("bytes per step / dense (log)")
         ax.set_ylabel("test loss / dense AdamW's: mean, [min, max] over seeds")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     _save_png(fig, path)
     plt.close(fig)

@@ -198,9 +198,9 @@ DEFAULTS = dict(steps=1500, seed=1234, n_layer=2, n_embd=128, ranks=2, lr=None, 
 GENERIC = {"seed": "s", "n_layer": "L", "n_embd": "E", "steps": "steps", "ranks": "r", "lr": "lr",
            "val_fraction": "vf", "test_fraction": "tf"}
 SUMMARY_COLUMNS = ["run", "method", "basis", "mask", "update_rule", "sparsity", "mask_refresh_interval",
-                   "dense_refresh", "lr", "n_params", "n_layer", "n_embd", "steps", "seed", "ranks", "val_fraction",
-                   "test_fraction", "val_loss", "test_loss", "bytes_frac", "wall_s", "frac_updated_last_window",
-                   "mean_step_frac_last_window",
+                   "local_steps", "dense_refresh", "lr", "n_params", "n_layer", "n_embd", "steps", "seed", "ranks",
+                   "val_fraction", "test_fraction", "val_loss", "test_loss", "bytes_frac", "wall_s",
+                   "frac_updated_last_window", "mean_step_frac_last_window",
                    "mean_abs_displacement", "displacement_vs_adams", "label", "git_rev", "git_diff_sha256", "torch",
                    "deepspeed", "command"]
 CURVE_COLUMNS = ["run", "step", "val_loss"]
@@ -298,7 +298,18 @@ def make_config(name: str, steps: int, micro_batch: int, warmup: int, lr: float 
 
 def describe(name: str, cfg: dict) -> dict:
     """The method columns of a run: method (adamw | adams | scape | topk | randk | demo | diloco), basis,
-    mask, update_rule, sparsity, mask_refresh_interval (DiLoCo: H), dense_refresh, lr."""
+    mask, update_rule, sparsity, mask_refresh_interval (DiLoCo: H), local_steps (H of DiLoCo, SparseLoCo
+    and ``scape.local_steps``; 1 for a method that exchanges every step), dense_refresh, lr."""
+    return dict(_describe(name, cfg), local_steps=_local_steps(name, cfg))
+
+
+def _local_steps(name: str, cfg: dict) -> int:
+    if name in BASELINES:
+        return BASELINES[name].get("H", 1)
+    return cfg.get("scape", {}).get("local_steps", 1)
+
+
+def _describe(name: str, cfg: dict) -> dict:
     lr = cfg["optimizer"]["params"]["lr"]
     if name in BASELINES:
         spec = BASELINES[name]

@@ -23,6 +23,7 @@ from .runs import (
     SWEEP_LR1E3,
     describe,
     initial_params,
+    make_config,
     resolve_opts,
     run_id,
     run_lr,
@@ -155,12 +156,22 @@ def read_tables(bench_dir: str) -> tuple[dict[str, dict], dict[str, list]]:
         for r in rows.values():  # rows written before the basis and mask columns: the coordinate basis
             if r["method"] in ("scape", "topk", "randk") and not r.get("basis"):
                 r["basis"], r["mask"] = "coordinate", "shared"
+            if not r.get("local_steps"):  # rows written before the local_steps column: from the run's entry
+                r["local_steps"] = _local_steps_of(r["run"].split("__")[0])
     path = os.path.join(bench_dir, CURVES_CSV)
     if os.path.exists(path):
         with open(path, encoding="utf-8", newline="") as f:
             for r in csv.DictReader(f):
                 curves.setdefault(r["run"], []).append((int(r["step"]), float(r["val_loss"])))
     return rows, curves
+
+
+def _local_steps_of(name: str):
+    """H of run ``name`` by its entry in runs.py ("" for a run no longer listed)."""
+    if name not in RUNS:
+        return ""
+    return describe(name, make_config(name, DEFAULTS["steps"], DEFAULTS["micro_batch"], DEFAULTS["warmup"]))[
+        "local_steps"]
 
 
 def _reference(rows: dict[str, dict], row: dict) -> dict | None:

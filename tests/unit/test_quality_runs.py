@@ -80,6 +80,20 @@ def test_config_lr_override_and_method_columns():
     assert methods["adamw"]["sparsity"] == 0.0 and methods["adamw"]["update_rule"] == ""
 
 
+def test_local_steps_column_for_new_rows_and_rows_written_before_it(tmp_path):
+    steps = {n: runs.describe(n, runs.make_config(n, 10, 16, 5))["local_steps"]
+             for n in ("adamw", "dct99", "demo", "diloco_H100", "sparseloco_H30", "local30_dct99")}
+    assert steps == {"adamw": 1, "dct99": 1, "demo": 1, "diloco_H100": 100, "sparseloco_H30": 30, "local30_dct99": 30}
+    old = [c for c in runs.SUMMARY_COLUMNS if c != "local_steps"]
+    with open(tmp_path / runs.SUMMARY_CSV, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(old)
+        for rid, method in (("diloco_H30__r4", "diloco"), ("dct99", "scape"), ("gone_run", "scape")):
+            w.writerow([dict(run=rid, method=method).get(c, "") for c in old])
+    rows, _ = tables.read_tables(str(tmp_path))
+    assert {rid: r["local_steps"] for rid, r in rows.items()} == {"diloco_H30__r4": 30, "dct99": 1, "gone_run": ""}
+
+
 def test_initial_params_rebuild_the_model_without_touching_the_rng():
     from scape_ds.models import GPT, GPTConfig
 
