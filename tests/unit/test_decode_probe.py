@@ -12,9 +12,10 @@ def test_probe_runs_and_its_counts_obey_the_bounds(tmp_path):
                        "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     for D, r in ((int(d), r) for d, r in results.items()):
-        for kind in ("dense", "per_rank", "per_rank/senders", "shared", "shared/equal"):
+        for kind in ("dense", "per_rank", "per_rank/senders", "shared", "shared/equal", "per_rank/2%"):
             assert 0.0 < r[kind] <= 1.0, (D, kind, r[kind])
         kc, K = decode_probe.KC, max(1, decode_probe.KC // D)
         assert kc <= r["coefficients_per_tile/per_rank"] <= D * kc  # the union of D top-kc sets
         assert K <= r["coefficients_per_tile/shared"] <= D * K  # the union of D nominations of K
         assert 25 <= r["coefficients_per_tile/shared/equal"] <= D * 25
+        assert 160 // D <= r["coefficients_per_tile/per_rank/2%"] <= 160
