@@ -186,7 +186,7 @@ def _worker_shared_bf16(rank, world_size, tmp_path, steps):
                 numel=gs.tiles.numel, dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_shared_mask_bf16_values_keep_their_rounding_and_cost_six_bytes_a_slot(tmp_path, world_size):
     results = run_ranks(_worker_shared_bf16, world_size, tmp_path, 6)
     for r in results:
@@ -201,3 +201,37 @@ def test_shared_mask_bf16_values_keep_their_rounding_and_cost_six_bytes_a_slot(t
         assert s["by_tag"] == {"index_ag": (D - 1) * n_chunks * K * 2,  # 2 B per slot, each way
                                "grad_rs": (D - 1) * slots * 2 // D, "grad_ag": (D - 1) * slots // D * 2,
                                "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]
+
+
+def _worker_coded_resume(rank, world_size, tmp_path, extra):
+    import copy
+
+    from .models import loss_fn, make_batch
+
+    def train(model, opt, start, steps):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            loss_fn(model, *make_batch(step, rank)).backward()
+            opt.step()
+
+    scape = dict(SCAPE, **extra)
+    model = make_mlp(seed=4)
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, scape=scape)
+    train(model, opt, 0, 3)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, 3, 3)
+    again = make_mlp(seed=99)
+    again.load_state_dict(saved_model)
+    opt2 = ScapeAdamS(again.parameters(), lr=1e-2, weight_decay=0.1, scape=scape)
+    opt2.load_state_dict(saved_opt)
+    train(again, opt2, 3, 3)
+    return torch.equal(flat_params(model), flat_params(again))
+
+
+@pytest.mark.parametrize("extra,world_size", [(dict(value_bits=8, dense_wire="bf16"), 8),
+                                              (dict(mask="shared", value_bits=16, dense_wire="bf16"), 8),
+                                              (dict(decode="senders"), 4)],
+                         ids=["q8-bf16-8ranks", "shared-bf16-8ranks", "senders-4ranks"])
+def test_coded_exchanges_resume_exactly(tmp_path, extra, world_size):
+    # what the coding kept (error feedback, dense_error) is all a resume needs: bit for bit
+    assert run_ranks(_worker_coded_resume, world_size, tmp_path, extra) == [True] * world_size
