@@ -219,6 +219,14 @@ class ScapeConfig(BaseModel):
     included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). Its
     quality is not yet measured on the bench (bench/RESULTS.md)."""
 
+    tile_budget: int | None = None
+    """``basis="dct"``, ``mask="per_rank"``: the coefficients per tile all the ranks of the exchange send
+    together (None: off). Each rank sends max(1, tile_budget // D) of every tile, D the data-parallel
+    ranks (the nodes under ``hierarchy "node"``), which sets ``sparsity`` (not given with it). per_rank's
+    bytes, about 0.75 D rho, then stay about the same whatever D: 160 with ``value_bits`` 8 and
+    ``dense_wire "bf16"`` is about 1.9% of the dense bytes at D = 4 and 8 on the bench model
+    (bench/RESULTS.md)."""
+
     decode: Literal["ranks", "senders"] = "ranks"
     """``basis="dct"``, ``mask="per_rank"``: how the received coefficients become the mean u decodes.
     ``ranks``: their sum / D, a coefficient one rank sent weighing 1/D of one all D sent (DeMo's paper).
@@ -416,6 +424,16 @@ class ScapeConfig(BaseModel):
                 what = ("sends the values of basis 'dct''s shared-mask exchange as bf16" if mask == "shared"
                         else "codes the values of basis 'dct''s per-rank exchange")
                 raise ValueError(f"value_bits {self.value_bits} {what}: " + ", ".join(bad))
+        if self.tile_budget is not None:
+            if self.tile_budget < 1:
+                raise ValueError(f"scape.tile_budget must be >= 1 coefficient per tile, got {self.tile_budget}")
+            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"))
+            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            if "sparsity" in self.model_fields_set:
+                bad.append(f"sparsity {self.sparsity} (set by tile_budget // D: give one of the two)")
+            if bad:
+                raise ValueError(f"tile_budget {self.tile_budget} sets basis 'dct''s per-rank sparsity by the "
+                                 f"number of ranks: " + ", ".join(bad))
         if self.decode != "ranks":
             settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
             bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
@@ -466,6 +484,14 @@ class ScapeConfig(BaseModel):
             raise ValueError(f"drift_steps must be in [1, mask_refresh_interval={self.mask_refresh_interval}), "
                              f"got {self.drift_steps}")
         return self
+
+    def for_ranks(self, world_size: int) -> "ScapeConfig":
+        """This config for an exchange over ``world_size`` ranks: with ``tile_budget``, ``sparsity`` set
+        to send max(1, tile_budget // world_size) of every tile; otherwise itself."""
+        if self.tile_budget is None:
+            return self
+        kc = max(1, min(self.chunk_size, self.tile_budget // world_size))
+        return self.model_copy(update=dict(sparsity=1.0 - kc / self.chunk_size))
 
     @property
     def density(self) -> float:

@@ -57,7 +57,7 @@ class Stage3Exchange:
 
     def __init__(self, cfg: ScapeConfig, comm, params: Iterable, masked: bool, grad_comm_dtype: torch.dtype):
         # settings
-        self.cfg = cfg
+        self.cfg = cfg.for_ranks(comm.world_size)  # scape.tile_budget: the sparsity of this many ranks
         self.comm = comm
         self.world_size, self.rank = comm.world_size, comm.rank
         self.masked = masked

@@ -151,6 +151,7 @@ class ScapeAdamS(Optimizer):
                              f"{'given' if intra_comm is not None else 'None'}: 'node' needs the node's "
                              f"communicator (build_dp_communicators), 'flat' none")
         self.comm = comm  # data-parallel, or cross-node under hierarchy "node"
+        self.cfg = self.cfg.for_ranks(comm.world_size)  # scape.tile_budget: the sparsity of this many ranks
         self.intra_comm = intra_comm
         # the node stage around the exchange, chosen once: nothing for a flat group
         self._node = NodeStage(intra_comm) if intra_comm is not None else FlatStage()
@@ -821,7 +822,8 @@ class ScapeAdamS(Optimizer):
         return dict(param_groups=param_groups, scape=dict(
             step=self._step, rank=self.comm.rank, world_size=self.comm.world_size,
             node_rank=self._node.rank, node_size=self._node.size,
-            config=self.cfg.model_dump(), groups=groups, refresh_next=self._refresh_next,
+            config=self.cfg.model_dump(exclude={"tile_budget"}),  # as run: a tile_budget is its sparsity here
+            groups=groups, refresh_next=self._refresh_next,
             last_dense=self._last_dense, dense_steps=self._dense_steps,
             local=None if self._local is None else self._local.state_dict(),
         ))

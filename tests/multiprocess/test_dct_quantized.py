@@ -235,3 +235,31 @@ def _worker_coded_resume(rank, world_size, tmp_path, extra):
 def test_coded_exchanges_resume_exactly(tmp_path, extra, world_size):
     # what the coding kept (error feedback, dense_error) is all a resume needs: bit for bit
     assert run_ranks(_worker_coded_resume, world_size, tmp_path, extra) == [True] * world_size
+
+
+def _worker_budget(rank, world_size, tmp_path, budget):
+    from scape_ds.config import parse_scape_config
+
+    from .models import loss_fn, make_batch
+
+    model = make_mlp(seed=3)
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, scape=dict(basis="dct", chunk_size=C, dense_numel_threshold=1024,
+                                                           tile_budget=budget))
+    opt.zero_grad()
+    loss_fn(model, *make_batch(0, rank)).backward()
+    opt.step()
+    saved = opt.state_dict()["scape"]["config"]
+    return dict(kc=opt.cfg.k_per_chunk, by_tag=dict(opt.comm_stats["by_tag"]), n_chunks=opt._groups[0].tiles.numel // C,
+                reparsed_sparsity=parse_scape_config(saved).sparsity, sparsity=opt.cfg.sparsity)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tile_budget_sends_budget_over_d_per_rank(tmp_path, world_size):
+    # 64 coefficients per 16 x 16 tile in all: 32 per rank at D = 2, 16 at D = 4, so the all-gathers'
+    # bytes per rank, (D - 1) k 6, stay within (D - 1) / D of each other
+    r = run_ranks(_worker_budget, world_size, tmp_path, 64)[0]
+    D, kc = world_size, 64 // world_size
+    assert r["kc"] == kc
+    assert r["by_tag"]["grad_ag"] == (D - 1) * r["n_chunks"] * kc * 4
+    assert r["by_tag"]["index_ag"] == (D - 1) * r["n_chunks"] * kc * 2
+    assert r["reparsed_sparsity"] == r["sparsity"]  # the checkpoint's config says what ran, and parses

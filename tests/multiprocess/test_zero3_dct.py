@@ -27,7 +27,7 @@ def _config(stage: int, sparsity: float, gas: int = 1, exchange: str = "dense", 
     """Stage 1 or 3, basis "dct" (``DCT`` updated by ``scape``), AdamS's hyperparameters ``OPT``."""
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas, "gradient_clipping": clipping,
            "steps_per_print": 10**9, "optimizer": {"type": "ScapeAdamS", "params": OPT},
-           "scape": dict(DCT, sparsity=sparsity, **scape)}
+           "scape": dict(DCT, **({} if "tile_budget" in scape else dict(sparsity=sparsity)), **scape)}
     if stage == 3:
         persistent = {} if exchange == "sparse_replica" else {"stage3_param_persistence_threshold": 0}
         cfg["zero_optimization"] = {"stage": 3, **persistent}
@@ -128,8 +128,8 @@ def _worker_sparse(rank, world_size, tmp_path, steps, exchange, bf16, scape):
 
 @pytest.mark.parametrize("exchange,bf16,scape", [
     ("dense", False, {}), ("sparse_replica", False, dict(dct_update="rms")), ("dense", True, dict(mask="shared")),
-    ("sparse_replica", False, dict(value_bits=8)),
-], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit"])
+    ("sparse_replica", False, dict(value_bits=8)), ("dense", False, dict(tile_budget=8)),
+], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit", "tile_budget-8"])
 def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16, scape):
     results = run_ranks(_worker_sparse, 2, tmp_path, 10, exchange, bf16, scape)
     for r in results:
@@ -148,13 +148,15 @@ def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16
         assert m["error_feedback"] == 4 * 16384 and m["local_grads"] == 4 * 16384 + 4 * 2 * 224, m
         assert m["replica"] == (4 * 16832 if exchange == "sparse_replica" else 0), m
         assert m["masks"] == 0, m  # mask "shared" with a fresh mask every step keeps none
-        # (3) bytes per step, by hand (D = 2, kc = round(0.01 * 256) = 3 of each tile's 256 coefficients)
+        # (3) bytes per step, by hand (D = 2, kc = round(0.01 * 256) = 3 of each tile's 256 coefficients;
+        # tile_budget 8: 8 // D = 4, set by the number of ranks under ZeRO-3 and stage 1 alike)
+        kc = scape["tile_budget"] // 2 if "tile_budget" in scape else 3
         if scape.get("mask") == "shared":  # K = kc // D = 1 nomination per tile and rank
             exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_rs": 64 * 2 * 4 // 2, "grad_ag": 64 * 1 * 4}
         elif scape.get("value_bits") == 8:  # per_rank, each value one byte plus one fp32 scale per tile
             exchange_bytes = {"grad_ag": 64 * 3 * 1 + 64 * 4, "index_ag": 64 * 3 * 2}
-        else:  # per_rank: every rank's 64 x 3 values (fp32) and in-tile offsets (int16) all-gathered
-            exchange_bytes = {"grad_ag": 64 * 3 * 4, "index_ag": 64 * 3 * 2}
+        else:  # per_rank: every rank's 64 x kc values (fp32) and in-tile offsets (int16) all-gathered
+            exchange_bytes = {"grad_ag": 64 * kc * 4, "index_ag": 64 * kc * 2}
         # the dense tensors' 448 fp32 gradients: stage 1 all-reduces them, ZeRO-3 reduce-scatters their
         # 2 x 224 padded pieces (half the bytes) and, under sparse_replica, all-gathers their new values
         zero3_extra = {"dense_rs": 224 * 4} | ({"param_ag": 224 * 4} if exchange == "sparse_replica" else {})

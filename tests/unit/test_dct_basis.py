@@ -176,6 +176,19 @@ def test_value_bits_is_for_the_per_rank_dct_exchange():
         parse_scape_config(dict(basis="dct", mask="shared", overlap=True, value_bits=16))
 
 
+def test_tile_budget_sets_the_per_rank_sparsity_by_d():
+    cfg = parse_scape_config(dict(basis="dct", tile_budget=160))
+    assert [cfg.for_ranks(D).k_per_chunk for D in (1, 2, 4, 8, 200)] == [160, 80, 40, 20, 1]
+    assert parse_scape_config(dict(basis="dct")).for_ranks(8).k_per_chunk == 41  # without it: sparsity's kc
+    with pytest.raises(ValueError, match="tile_budget 160 sets basis 'dct''s per-rank sparsity by the number of "
+                                         "ranks: mask 'shared' \\(needs 'per_rank'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", tile_budget=160))
+    with pytest.raises(ValueError, match="sparsity 0.99 \\(set by tile_budget // D: give one of the two\\)"):
+        parse_scape_config(dict(basis="dct", sparsity=0.99, tile_budget=160))
+    with pytest.raises(ValueError, match="scape.tile_budget must be >= 1"):
+        parse_scape_config(dict(basis="dct", tile_budget=0))
+
+
 def test_decode_senders_is_for_the_per_rank_dct_exchange():
     assert parse_scape_config(dict(basis="dct")).decode == "ranks"
     assert parse_scape_config(dict(basis="dct", decode="senders")).decode == "senders"
