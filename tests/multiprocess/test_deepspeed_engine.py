@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scape_ds.comm import collective_bytes
+
 from .harness import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
@@ -175,6 +177,37 @@ def _worker_changed_settings(rank, world_size, tmp_path, ckpt, phase):
     except ValueError as e:
         out["adamw"] = str(e)
     return out
+
+
+def _worker_scale_config(rank, world_size, tmp_path):
+    _set_env(rank)
+    from scape_ds.data import build_datasets
+
+    train, _ = build_datasets()
+    engine = _engine(_config("scape_dct_scale.json", chunk_size=256, dense_numel_threshold=1024))
+    losses = _train(engine, train, 0, 6)
+    opt = engine.optimizer
+    params = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    every = [torch.empty_like(params) for _ in range(world_size)]
+    dist.all_gather(every, params)
+    return dict(kc=opt.cfg.k_per_chunk, losses=losses, equal=all(torch.equal(params, p) for p in every),
+                by_tag=dict(opt.comm_stats["by_tag"]), n_chunks=opt._groups[0].tiles.numel // 256,
+                n_dense=sum(p.numel() for gs in opt._groups for p in gs.dense_params))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_scale_config_as_shipped_sends_the_budget_over_d(tmp_path, world_size):
+    # ds_configs/scape_dct_scale.json: tile_budget 160 (here over 16 x 16 tiles), 8-bit values, bf16
+    # dense tensors; each rank's payload is one byte per value plus one fp32 scale per tile
+    results = run_ranks(_worker_scale_config, world_size, tmp_path)
+    D, kc = world_size, 160 // world_size
+    for r in results:
+        assert r["kc"] == kc and r["equal"], (r["kc"], r["equal"])
+        assert r["losses"][-1] < r["losses"][0]
+    r = results[0]
+    assert r["by_tag"]["grad_ag"] == (D - 1) * r["n_chunks"] * (kc + 4), r["by_tag"]
+    assert r["by_tag"]["index_ag"] == (D - 1) * r["n_chunks"] * kc * 2, r["by_tag"]
+    assert r["by_tag"]["dense_ar"] == collective_bytes("all_reduce", r["n_dense"] * 2, D), r["by_tag"]  # bf16
 
 
 def _worker_local_steps_size(rank, world_size, tmp_path, ckpt):
