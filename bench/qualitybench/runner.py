@@ -189,7 +189,7 @@ def _write_summary(name: str, opts: dict, cfg: dict, metrics: str, diag: Diagnos
     sent, dense = sum(r["bytes_sent"] for r in rows), sum(r["bytes_dense"] for r in rows)
     if baseline is not None:  # the loop counted the dense run's bytes; the baseline knows what it sent
         sent = baseline.bytes_sent(rows)
-    summary = dict(run=run_id(name, opts), name=name, label=RUNS[name][0], **describe(name, cfg),
+    summary = dict(run=run_id(name, opts), name=name, label=RUNS[name][0], **describe(name, cfg, opts["ranks"]),
                    n_params=int(diag.p0.numel()), **{k: opts[k] for k in ("n_layer", "n_embd", "steps", "seed", "ranks",
                                                                           "val_fraction", "test_fraction")},
                    val_loss=rows[-1]["val_loss"], test_loss=rows[-1].get("test_loss", ""), final_loss=rows[-1]["loss"],

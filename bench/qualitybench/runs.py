@@ -296,11 +296,11 @@ def make_config(name: str, steps: int, micro_batch: int, warmup: int, lr: float 
     return cfg
 
 
-def describe(name: str, cfg: dict) -> dict:
+def describe(name: str, cfg: dict, ranks: int = DEFAULTS["ranks"]) -> dict:
     """The method columns of a run: method (adamw | adams | scape | topk | randk | demo | diloco), basis,
     mask, update_rule, sparsity, mask_refresh_interval (DiLoCo: H), local_steps (H of DiLoCo, SparseLoCo
     and ``scape.local_steps``; 1 for a method that exchanges every step), dense_refresh, lr."""
-    return dict(_describe(name, cfg), local_steps=_local_steps(name, cfg))
+    return dict(_describe(name, cfg, ranks), local_steps=_local_steps(name, cfg))
 
 
 def _local_steps(name: str, cfg: dict) -> int:
@@ -309,7 +309,7 @@ def _local_steps(name: str, cfg: dict) -> int:
     return cfg.get("scape", {}).get("local_steps", 1)
 
 
-def _describe(name: str, cfg: dict) -> dict:
+def _describe(name: str, cfg: dict, ranks: int) -> dict:
     lr = cfg["optimizer"]["params"]["lr"]
     if name in BASELINES:
         spec = BASELINES[name]
@@ -333,8 +333,10 @@ def _describe(name: str, cfg: dict) -> dict:
         if mask.startswith("shared") and sc.get("mask_early"):
             mask += "/early"
         refresh = sc.get("mask_refresh_interval", 100) if sc.get("mask_source") == "momentum" else ""
+        sparsity = sc["sparsity"] if "tile_budget" not in sc else \
+            1 - max(1, sc["tile_budget"] // ranks) / sc.get("chunk_size", 4096)  # scape.tile_budget: set by D
         return dict(method=method, basis="dct", mask=mask,
-                    update_rule=sc.get("dct_update", "sign"), sparsity=sc["sparsity"], mask_refresh_interval=refresh,
+                    update_rule=sc.get("dct_update", "sign"), sparsity=sparsity, mask_refresh_interval=refresh,
                     dense_refresh="", lr=lr)
     return dict(method=sc.get("compressor", "scape"), basis="coordinate", mask="shared",
                 update_rule=sc.get("update_rule", "lazy"), sparsity=sc["sparsity"],

@@ -84,6 +84,10 @@ def test_local_steps_column_for_new_rows_and_rows_written_before_it(tmp_path):
     steps = {n: runs.describe(n, runs.make_config(n, 10, 16, 5))["local_steps"]
              for n in ("adamw", "dct99", "demo", "diloco_H100", "sparseloco_H30", "local30_dct99")}
     assert steps == {"adamw": 1, "dct99": 1, "demo": 1, "diloco_H100": 100, "sparseloco_H30": 30, "local30_dct99": 30}
+    budget = runs.make_config("dct99", 10, 16, 5)
+    budget["scape"] = dict(budget["scape"], tile_budget=160)
+    del budget["scape"]["sparsity"]
+    assert runs.describe("dct99", budget, 8)["sparsity"] == 1 - 20 / 4096  # scape.tile_budget over 8 ranks
     old = [c for c in runs.SUMMARY_COLUMNS if c != "local_steps"]
     with open(tmp_path / runs.SUMMARY_CSV, "w", newline="") as f:
         w = csv.writer(f)
