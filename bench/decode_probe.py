@@ -8,7 +8,7 @@ the global batch of 2 ranks), then frozen. At that point every one of D virtual 
 batch of 16 sequences each step, as the quality bench's ranks do, and runs the default exchange's
 accumulation as ScapeAdamS does: its gradient clipped to norm 1 (``clip_local``), added to its error
 feedback in DCT coefficients (``e = 0.999 e + Q g``, 64 x 64 tiles of every weight matrix), and its
-message taken out of ``e``. Four exchanges, each with its own error feedback on every rank:
+message taken out of ``e``. Five exchanges, each with its own error feedback on every rank:
 
 - ``per_rank`` (the default): each rank's top-kc of every tile; decoded as sum / D;
 - ``per_rank/senders``: the same messages, each coefficient divided by its number of senders;

@@ -222,7 +222,8 @@ class ScapeConfig(BaseModel):
     tile_budget: int | None = None
     """``basis="dct"``, ``mask="per_rank"``: the coefficients per tile all the ranks of the exchange send
     together (None: off). Each rank sends max(1, tile_budget // D) of every tile, D the data-parallel
-    ranks (the nodes under ``hierarchy "node"``), which sets ``sparsity`` (not given with it). per_rank's
+    ranks (the nodes under ``hierarchy "node"``; at most every coefficient of the tile), which sets
+    ``sparsity`` (not given with it). per_rank's
     bytes, about 0.75 D rho, then stay about the same whatever D: 160 with ``value_bits`` 8 and
     ``dense_wire "bf16"`` is about 1.9% of the dense bytes at D = 4 and 8 on the bench model
     (bench/RESULTS.md)."""
@@ -440,6 +441,9 @@ class ScapeConfig(BaseModel):
             if bad:
                 raise ValueError(f"decode {self.decode!r} averages basis 'dct''s per-rank messages over their "
                                  f"senders: " + ", ".join(bad))
+        if self.comm_backend == "mpi" and (self.value_bits == 16 or self.dense_wire == "bf16"):
+            raise ValueError("comm_backend 'mpi' reduces fp32 and fp64 only: value_bits 16 and dense_wire 'bf16' "
+                             "sum bf16 values; use comm_backend 'torch' or fp32 on the wire")
         if self.dense_wire != "fp32" and self.basis != "dct":
             raise ValueError(f"dense_wire {self.dense_wire!r} is built for basis 'dct' (its dense tensors' "
                              f"all-reduce); got basis {self.basis!r}")

@@ -270,7 +270,8 @@ class ScapeStage3(DeepSpeedZeroOptimizer_Stage3):
     # -------------------------------------------------------------- what callers read
     @property
     def cfg(self) -> ScapeConfig:
-        return self.scape_config
+        """The config the exchange runs (``scape.tile_budget`` resolved for this many ranks)."""
+        return self.scape.cfg if getattr(self, "scape", None) is not None else self.scape_config
 
     @property
     def comm(self):

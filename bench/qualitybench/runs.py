@@ -333,8 +333,14 @@ def _describe(name: str, cfg: dict, ranks: int) -> dict:
         if mask.startswith("shared") and sc.get("mask_early"):
             mask += "/early"
         refresh = sc.get("mask_refresh_interval", 100) if sc.get("mask_source") == "momentum" else ""
-        sparsity = sc["sparsity"] if "tile_budget" not in sc else \
-            1 - max(1, sc["tile_budget"] // ranks) / sc.get("chunk_size", 4096)  # scape.tile_budget: set by D
+        if "tile_budget" in sc:  # the sparsity the optimizer resolves for the ranks of its exchange
+            from scape_ds.config import parse_scape_config
+
+            parsed = parse_scape_config(sc)
+            exchange_ranks = ranks // (parsed.intra_node_size or 1) if parsed.hierarchy == "node" else ranks
+            sparsity = parsed.for_ranks(exchange_ranks).sparsity
+        else:
+            sparsity = sc["sparsity"]
         return dict(method=method, basis="dct", mask=mask,
                     update_rule=sc.get("dct_update", "sign"), sparsity=sparsity, mask_refresh_interval=refresh,
                     dense_refresh="", lr=lr)

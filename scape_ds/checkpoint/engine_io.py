@@ -131,8 +131,11 @@ def estimate_checkpoint_bytes(engine) -> int:
     d = opt.dp_world_size
     ef_bytes = 2 if opt.cfg.error_feedback_dtype == "bf16" else 4
     per_rank = 8 * n // d + ef_bytes * n
-    if opt._local is not None:  # the local-steps state every rank saves (scape_ds/optim/local_steps.py)
-        per_rank += opt._local.memory_bytes() + param_bytes
+    cfg = opt.cfg
+    if cfg.local_steps > 1:  # what every rank saves of local steps (optim/local_steps.py), known before step 1:
+        outer = 2 if cfg.outer_update == "nesterov" else 1  # theta_s, and b for Nesterov, fp32
+        inner = 8 if cfg.inner_optimizer == "adamw" else 4  # AdamW's two moments, AdamS's one, fp32
+        per_rank += (4 * outer + inner) * n + param_bytes  # and this rank's own local parameters
     return param_bytes + (d + 1) * per_rank
 
 

@@ -217,17 +217,19 @@ def _worker_local_steps_size(rank, world_size, tmp_path, ckpt):
 
     train, _ = build_datasets()
     engine = _engine(_config("scape_local.json", chunk_size=256, dense_numel_threshold=1024))
+    before = estimate_checkpoint_bytes(engine)  # as scape_ds.train's free-disk check asks: before any step
     _train(engine, train, 0, 4)  # mid-period (H = 30): the local state differs by rank
     save_checkpoint(engine, ckpt, 4, dict(step=4))
     tag_dir = os.path.join(ckpt, "global_step4")
     size = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
-    return size, estimate_checkpoint_bytes(engine)
+    return size, before, estimate_checkpoint_bytes(engine)
 
 
 def test_checkpoint_size_estimate_counts_the_local_steps_state(tmp_path):
     # the synchronized copy, outer momentum, AdamW's two moments and each rank's local parameters
     # are saved per rank: an estimate without them was under half the files' size
-    (size, estimate), _ = run_ranks(_worker_local_steps_size, 2, tmp_path, str(tmp_path / "ckpt"))
+    (size, before, estimate), _ = run_ranks(_worker_local_steps_size, 2, tmp_path, str(tmp_path / "ckpt"))
+    assert before == estimate, (before, estimate)
     assert 0.8 * size <= estimate <= 1.25 * size, (size, estimate)
 
 

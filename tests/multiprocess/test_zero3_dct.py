@@ -122,7 +122,7 @@ def _worker_sparse(rank, world_size, tmp_path, steps, exchange, bf16, scape):
     ex = engine.optimizer.scape
     diffs = [float((a - b).abs().max()) for a, b in zip(one, three)]
     return dict(checks, diffs=diffs, one_stats=one_stats, stats=three_stats, memory=engine.optimizer.memory_bytes(),
-                dtype=str(three[-1].dtype),
+                dtype=str(three[-1].dtype), kc=engine.optimizer.cfg.k_per_chunk,
                 coef=ex.coef_error.numel(), n_pad=ex.local_grads.numel())
 
 
@@ -151,6 +151,7 @@ def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16
         # (3) bytes per step, by hand (D = 2, kc = round(0.01 * 256) = 3 of each tile's 256 coefficients;
         # tile_budget 8: 8 // D = 4, set by the number of ranks under ZeRO-3 and stage 1 alike)
         kc = scape["tile_budget"] // 2 if "tile_budget" in scape else 3
+        assert r["kc"] == kc  # what the engine's optimizer reports is what its exchange runs
         if scape.get("mask") == "shared":  # K = kc // D = 1 nomination per tile and rank
             exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_rs": 64 * 2 * 4 // 2, "grad_ag": 64 * 1 * 4}
         elif scape.get("value_bits") == 8:  # per_rank, each value one byte plus one fp32 scale per tile

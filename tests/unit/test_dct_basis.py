@@ -189,6 +189,12 @@ def test_tile_budget_sets_the_per_rank_sparsity_by_d():
         parse_scape_config(dict(basis="dct", tile_budget=0))
 
 
+def test_bf16_on_the_wire_is_refused_with_the_mpi_backend():
+    for extra in (dict(mask="shared", value_bits=16), dict(dense_wire="bf16")):
+        with pytest.raises(ValueError, match="comm_backend 'mpi' reduces fp32 and fp64 only"):
+            parse_scape_config(dict(basis="dct", comm_backend="mpi", **extra))
+
+
 def test_decode_senders_is_for_the_per_rank_dct_exchange():
     assert parse_scape_config(dict(basis="dct")).decode == "ranks"
     assert parse_scape_config(dict(basis="dct", decode="senders")).decode == "senders"
