@@ -215,3 +215,18 @@ def _worker_rules(rank, world_size, tmp_path, update, dtype):
 def test_dct_hierarchy_runs_the_stateful_rules_with_equal_replicas(tmp_path, update):
     # adams_coef keeps its momentum in coefficients: every coefficient on every rank, not the slice
     assert run_ranks(_worker_rules, D, tmp_path, update, torch.float32) == [(True, True)] * D
+
+
+def _worker_budget(rank, world_size, tmp_path):
+    block = {k: v for k, v in SCAPE.items() if k != "sparsity"}
+    cfg = parse_scape_config(dict(block, mask="per_rank", hierarchy="node", intra_node_size=G, tile_budget=16))
+    model = make_mlp(seed=4)
+    opt = _optimizer(model, cfg)
+    for step in range(2):
+        _step(model, opt, step, rank)
+    return opt.cfg.k_per_chunk
+
+
+def test_tile_budget_divides_by_the_nodes_under_the_hierarchy(tmp_path):
+    # 2 nodes x 2: the M = 2 nodes send across, each 16 // 2 = 8 of every tile (not 16 // 4)
+    assert run_ranks(_worker_budget, D, tmp_path) == [16 // M] * D
