@@ -305,10 +305,13 @@ class ScapeConfig(BaseModel):
     """``local_steps`` > 1: the local optimizer (its own state on every rank; the param group's lr,
     betas, eps, weight decay): ``adamw`` (torch.optim.AdamW, DiLoCo's) or ``adams`` (dense AdamS)."""
 
-    outer_update: Literal["nesterov", "sign"] = "nesterov"
+    outer_update: Literal["nesterov", "sign", "sign_lr"] = "nesterov"
     """``local_steps`` > 1: how the decoded mean pseudo-gradient u moves the synchronized parameters:
     ``nesterov`` (DiLoCo): ``b = outer_momentum b + u``, ``p -= outer_lr (u + outer_momentum b)``;
-    ``sign``: ``p -= outer_lr sign(u)`` (``outer_lr`` then is a step in parameter units)."""
+    ``sign``: ``p -= outer_lr sign(u)`` (``outer_lr`` then is a step in parameter units);
+    ``sign_lr``: ``p -= outer_lr lr sign(u)``, lr the param group's learning rate at the outer step
+    (``outer_lr`` a multiple of it, so the step follows the schedule: the every-step default's
+    sign update, lr each step, moves at most H lr per H steps)."""
 
     outer_lr: float = 0.7
     """``local_steps`` > 1: the outer step size (DiLoCo: 0.7). > 0."""
@@ -450,6 +453,9 @@ class ScapeConfig(BaseModel):
         if self.outer_update == "sign" and "outer_lr" not in self.model_fields_set:
             raise ValueError("outer_update 'sign' moves every synchronized parameter by outer_lr each outer step (a "
                              "step in parameter units, not DiLoCo's 0.7): set outer_lr, e.g. H x the inner lr")
+        if self.outer_update == "sign_lr" and "outer_lr" not in self.model_fields_set:
+            raise ValueError("outer_update 'sign_lr' moves every synchronized parameter by outer_lr x the lr each "
+                             "outer step (a multiple of the lr, not DiLoCo's 0.7): set outer_lr, e.g. H / 2")
         if self.local_steps > 1:
             settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False),
                             hierarchy=(self.hierarchy, "flat"), mask_source=(self.mask_source, "union"),

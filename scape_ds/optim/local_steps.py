@@ -19,7 +19,8 @@ rank's local ones, which the model holds):
        every tile, ...), its decoded mean u, the same on every rank; the dense tensors' Delta
        all-reduced and divided by D;
      - ``outer_update`` "nesterov": ``b = mu b + u``, ``theta_s -= outer_lr (u + mu b)``; "sign":
-       ``theta_s -= outer_lr sign(u)``;
+       ``theta_s -= outer_lr sign(u)``; "sign_lr": ``theta_s -= outer_lr lr sign(u)`` (lr: the param
+       group's at this step);
      - theta = theta_s on every rank.
 
 Nothing is sent on inner steps; the byte meter records the dense exchange's bytes every step, so
@@ -141,28 +142,31 @@ class LocalSteps:
     def _outer(self) -> None:
         opt, cfg = self.opt, self.opt.cfg
         D = opt.dp_world_size
-        for gs, sy in zip(opt._groups, self.synced):
+        for gs, sy, group in zip(opt._groups, self.synced, opt.param_groups):
             if gs.flat_param is not None:
                 delta = torch.sub(sy.flat, gs.flat_param, out=gs.flat_grad)  # (N_pad,) theta_s - theta
                 mean, _ = exchange_dct(opt.comm, opt._kernels, gs.tiles, gs.error, delta, gs.dct_q, mask=cfg.mask,
                                        k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, node=opt._node,
                                        value_bits=cfg.value_bits, decode=cfg.decode)  # (numel,) the same on every rank
                 u = decode_dct(gs.tiles, mean, gs.flat_grad, gs.dct_q, opt._kernels)  # (N_pad,)
-                self._move(sy.flat, sy.flat_momentum, u)
+                self._move(sy.flat, sy.flat_momentum, u, group["lr"])
                 gs.flat_param.copy_(sy.flat)
             if gs.dense_params:
                 delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(sy.dense, gs.dense_params)])
                 opt._node.all_reduce_across(delta, opt.comm, "dense_ar")  # (M,) fp32 sum over every rank
                 delta.div_(D)
                 for i, (p, u) in enumerate(zip(gs.dense_params, delta.split([s.numel() for s in sy.dense]))):
-                    self._move(sy.dense[i], sy.dense_momentum[i] if sy.dense_momentum else None, u.view_as(p))
+                    self._move(sy.dense[i], sy.dense_momentum[i] if sy.dense_momentum else None, u.view_as(p),
+                               group["lr"])
                     p.data.copy_(sy.dense[i])
 
-    def _move(self, synced: torch.Tensor, momentum: torch.Tensor | None, u: torch.Tensor) -> None:
-        """The outer step on one synchronized tensor, from the mean pseudo-gradient ``u`` (consumed)."""
+    def _move(self, synced: torch.Tensor, momentum: torch.Tensor | None, u: torch.Tensor, lr: float) -> None:
+        """The outer step on one synchronized tensor, from the mean pseudo-gradient ``u`` (consumed);
+        ``lr``: its param group's learning rate now (``sign_lr``)."""
         cfg = self.opt.cfg
-        if cfg.outer_update == "sign":
-            synced.add_(torch.sign(u), alpha=-cfg.outer_lr)
+        if cfg.outer_update in ("sign", "sign_lr"):
+            step = cfg.outer_lr * (lr if cfg.outer_update == "sign_lr" else 1.0)
+            synced.add_(torch.sign(u), alpha=-step)
             return
         momentum.mul_(cfg.outer_momentum).add_(u)
         synced.add_(u.add_(momentum, alpha=cfg.outer_momentum), alpha=-cfg.outer_lr)

@@ -32,6 +32,11 @@ def _backward(model, step, rank, dtype=torch.float32):
     loss_fn(model, x, y).backward()
 
 
+def _lr_at(step: int) -> float:
+    """The schedule of the DiLoCo comparison: the lr halves after step 4 (between outer steps)."""
+    return HP["lr"] if step < 5 else HP["lr"] / 2
+
+
 def _diloco_reference(rank, world_size, steps, H, outer):
     """DiLoCo by hand in fp64: AdamW on this rank's own batches; every H steps the mean of theta_s - theta
     by all-reduce, the outer step on theta_s, theta = theta_s."""
@@ -41,6 +46,8 @@ def _diloco_reference(rank, world_size, steps, H, outer):
     momenta = [torch.zeros_like(s) for s in synced]
     out = []
     for step in range(steps):
+        for g in inner.param_groups:
+            g["lr"] = _lr_at(step)
         inner.zero_grad()
         _backward(model, step, rank, torch.float64)
         inner.step()
@@ -50,8 +57,8 @@ def _diloco_reference(rank, world_size, steps, H, outer):
                     delta = s - p
                     dist.all_reduce(delta)
                     delta /= world_size
-                    if outer == "sign":
-                        s -= 0.05 * torch.sign(delta)
+                    if outer in ("sign", "sign_lr"):  # sign_lr: 5 x the lr at this step
+                        s -= (0.05 if outer == "sign" else 5 * _lr_at(step)) * torch.sign(delta)
                     else:
                         b.mul_(0.9).add_(delta)
                         s -= 0.7 * (delta + 0.9 * b)
@@ -64,10 +71,13 @@ def _worker_dense(rank, world_size, tmp_path, mask, outer):
     steps, H = 9, 3
     ref = _diloco_reference(rank, world_size, steps, H, outer)
     model = make_mlp(seed=1).double()
-    scape = dict(SCAPE, sparsity=0.0, mask=mask, outer_update=outer, outer_lr=0.05 if outer == "sign" else 0.7)
+    scape = dict(SCAPE, sparsity=0.0, mask=mask, outer_update=outer,
+                 outer_lr={"sign": 0.05, "sign_lr": 5.0}.get(outer, 0.7))
     opt = ScapeAdamS(model.parameters(), **HP, scape=scape)
     worst = 0.0
     for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step)  # as a scheduler sets it
         opt.zero_grad()
         _backward(model, step, rank, torch.float64)
         opt.step()
@@ -76,7 +86,7 @@ def _worker_dense(rank, world_size, tmp_path, mask, outer):
 
 
 @pytest.mark.parametrize("mask,outer,world_size", [("per_rank", "nesterov", 2), ("shared", "nesterov", 4),
-                                                   ("per_rank", "sign", 2)])
+                                                   ("per_rank", "sign", 2), ("per_rank", "sign_lr", 2)])
 def test_sparsity_zero_is_diloco(tmp_path, mask, outer, world_size):
     diffs = run_ranks(_worker_dense, world_size, tmp_path, mask, outer)
     # fp64: the transform's round trip and the summation order; a missed or doubled outer step, a wrong

@@ -228,6 +228,9 @@ def test_local_steps_settings_and_refusals():
         parse_scape_config(dict(basis="dct", local_steps=2, outer_lr=0.0))
     with pytest.raises(ValueError, match="outer_update 'sign' moves every synchronized parameter by outer_lr"):
         parse_scape_config(dict(basis="dct", local_steps=2, outer_update="sign"))  # 0.7 would be no step size
+    with pytest.raises(ValueError, match="outer_update 'sign_lr' moves every synchronized parameter by outer_lr x"):
+        parse_scape_config(dict(basis="dct", local_steps=30, outer_update="sign_lr"))
+    assert parse_scape_config(dict(basis="dct", local_steps=30, outer_update="sign_lr", outer_lr=15)).outer_lr == 15
     assert parse_scape_config(dict(basis="dct", local_steps=2, outer_update="sign", outer_lr=0.03)).outer_lr == 0.03
 
 
