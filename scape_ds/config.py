@@ -216,8 +216,9 @@ class ScapeConfig(BaseModel):
     4: each tile's kc values scaled by their absmax to signed integers (+-127, +-7), one fp32 scale per
     tile, in one uint8 all-gather; what the rounding loses stays in the error feedback (sent + kept ==
     accumulated, with the decoded value as what was sent). Bytes per sent coefficient, its 16-bit offset
-    included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). Its
-    quality is not yet measured on the bench (bench/RESULTS.md)."""
+    included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). On the
+    bench at 2 ranks 8-bit values kept the default's loss (0.999x at 1.57% of the bytes); 4 bits and
+    the bf16 union are not measured there (bench/RESULTS.md)."""
 
     tile_budget: int | None = None
     """``basis="dct"``, ``mask="per_rank"``: the coefficients per tile all the ranks of the exchange send
@@ -241,8 +242,9 @@ class ScapeConfig(BaseModel):
     tensors, tensors under ``dense_numel_threshold``; 35% of the bytes of the 0.45M bench model) are
     all-reduced every step. ``bf16`` halves those bytes: each rank adds its gradient to an error
     feedback of its own (fp32, one per dense element), sends that rounded to bf16 and keeps what the
-    rounding lost; the all-reduce then sums bf16 values (its own rounding is not fed back). Quality not
-    yet measured on the bench (bench/RESULTS.md)."""
+    rounding lost; the all-reduce then sums bf16 values (its own rounding is not fed back). Measured on
+    the bench only together with 8-bit values and ``tile_budget`` (``scape_dct_scale.json``,
+    bench/RESULTS.md), not alone."""
 
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).
