@@ -125,7 +125,16 @@ RUNS: dict[str, tuple] = {
     # issue 45's bytes lever: the default with 8-bit coded values (scape.value_bits, exchange/quantize.py)
     "dct99_q8": ("SCAPE dct 0.99, 8-bit values (per-tile absmax)", "scape_dct.json", dict(value_bits=8)),
     # issue 47: the default's exchange carrying DiLoCo's pseudo-gradients every 30 steps (scape.local_steps)
+    # issue 45: per_rank with bytes flat in D (tile_budget 160: 160 // D per tile), 8-bit values, bf16 dense
+    "dct_scale": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors "
+                  "(scape_dct_scale.json)", "scape_dct_scale.json", {}),
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json", {}),
+    "local30_dct99_sgd": ("SCAPE local steps H=30, outer SGD lr 1 (no momentum), dct 0.99", "scape_local.json",
+                          dict(outer_lr=1.0, outer_momentum=0.0)),
+    "local30_dct99_sgd_ef95": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.95, dct 0.99", "scape_local.json",
+                               dict(outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95)),
+    "local30_dct99_signlr15": ("SCAPE local steps H=30, outer sign, 15 x the lr a step, dct 0.99", "scape_local.json",
+                               dict(outer_update="sign_lr", outer_lr=15.0)),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
     # ZeRO-3 (path B, coordinate basis: ds_configs/scape_zero3_coordinate.json, scape_zero3.json until it moved to
     # basis dct): norms, biases and tensors under dense_numel_threshold reduced densely as on path A, against every
