@@ -228,10 +228,11 @@ def _worker_coded_resume(rank, world_size, tmp_path, extra):
     return torch.equal(flat_params(model), flat_params(again))
 
 
-@pytest.mark.parametrize("extra,world_size", [(dict(value_bits=8, dense_wire="bf16"), 8),
-                                              (dict(mask="shared", value_bits=16, dense_wire="bf16"), 8),
-                                              (dict(decode="senders"), 4)],
-                         ids=["q8-bf16-8ranks", "shared-bf16-8ranks", "senders-4ranks"])
+@pytest.mark.parametrize("extra,world_size", [
+    pytest.param(dict(value_bits=8, dense_wire="bf16"), 8, id="q8-bf16-8ranks"),
+    pytest.param(dict(mask="shared", value_bits=16, dense_wire="bf16"), 8, id="shared-bf16-8ranks"),
+    pytest.param(dict(value_bits=8, dense_wire="bf16"), 4, id="q8-bf16-4ranks"),
+    pytest.param(dict(decode="senders"), 4, id="senders-4ranks")])
 def test_coded_exchanges_resume_exactly(tmp_path, extra, world_size):
     # what the coding kept (error feedback, dense_error) is all a resume needs: bit for bit
     assert run_ranks(_worker_coded_resume, world_size, tmp_path, extra) == [True] * world_size
