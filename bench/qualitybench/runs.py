@@ -133,6 +133,8 @@ RUNS: dict[str, tuple] = {
                           dict(outer_lr=1.0, outer_momentum=0.0)),
     "local30_dct99_sgd_ef95": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.95, dct 0.99", "scape_local.json",
                                dict(outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95)),
+    "local30_dct99_sgd_ef80": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.8, dct 0.99", "scape_local.json",
+                               dict(outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8)),
     "local30_dct99_signlr15": ("SCAPE local steps H=30, outer sign, 15 x the lr a step, dct 0.99", "scape_local.json",
                                dict(outer_update="sign_lr", outer_lr=15.0)),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
