@@ -416,7 +416,7 @@ class ScapeConfig(BaseModel):
             settings = dict(compressor=(self.compressor, "scape"), update_rule=(self.update_rule, "lazy"),
                             reselect_interval=(self.reselect_interval, 0),
                             error_feedback_dtype=(self.error_feedback_dtype, "fp32"))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if bad:
                 raise ValueError("basis 'dct' is built for the default exchange settings only: " + ", ".join(bad))
             if self.hierarchy == "node" and self.mask_source == "momentum":
@@ -425,7 +425,7 @@ class ScapeConfig(BaseModel):
         if self.value_bits != 32:
             mask = "shared" if self.value_bits == 16 else "per_rank"
             settings = dict(basis=(self.basis, "dct"), mask=(self.mask, mask), overlap=(self.overlap, False))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if bad:
                 what = ("sends the values of basis 'dct''s shared-mask exchange as bf16" if mask == "shared"
                         else "codes the values of basis 'dct''s per-rank exchange")
@@ -434,7 +434,7 @@ class ScapeConfig(BaseModel):
             if self.tile_budget < 1:
                 raise ValueError(f"scape.tile_budget must be >= 1 coefficient per tile, got {self.tile_budget}")
             settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if "sparsity" in self.model_fields_set:
                 bad.append(f"sparsity {self.sparsity} (set by tile_budget // D: give one of the two)")
             if bad:
@@ -442,7 +442,7 @@ class ScapeConfig(BaseModel):
                                  f"number of ranks: " + ", ".join(bad))
         if self.decode != "ranks":
             settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if bad:
                 raise ValueError(f"decode {self.decode!r} averages basis 'dct''s per-rank messages over their "
                                  f"senders: " + ", ".join(bad))
@@ -462,7 +462,7 @@ class ScapeConfig(BaseModel):
             settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False),
                             hierarchy=(self.hierarchy, "flat"), mask_source=(self.mask_source, "union"),
                             mask_hold=(self.mask_hold, 1), mask_early=(self.mask_early, False))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if bad:
                 raise ValueError(f"local_steps {self.local_steps} exchanges pseudo-gradients through basis 'dct', "
                                  f"built for: " + ", ".join(bad))
@@ -485,7 +485,7 @@ class ScapeConfig(BaseModel):
         elif self.overlap:
             settings = dict(hierarchy=(self.hierarchy, "flat"), update_rule=(self.update_rule, "lazy"),
                             reselect_interval=(self.reselect_interval, 0), clip_local=(self.clip_local, 0.0))
-            bad = [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
+            bad = _unmet(settings)
             if self.clip_local:  # why it cannot be built, not only that it is not yet
                 bad[-1] += (": clip_local scales by the norm of the whole local gradient, known only when "
                             "backward ends, before any bucket may enter error feedback (basis 'dct' overlaps "
@@ -519,6 +519,11 @@ class ScapeConfig(BaseModel):
     def k_per_chunk(self) -> int:
         """kc: kept coordinates in every chunk (at least 1)."""
         return max(1, min(self.chunk_size, round(self.density * self.chunk_size)))
+
+
+def _unmet(settings: dict[str, tuple[Any, Any]]) -> list[str]:
+    """``name value (needs wanted)`` for each of ``settings`` (name: (value, wanted)) not as wanted."""
+    return [f"{k} {v!r} (needs {want!r})" for k, (v, want) in settings.items() if v != want]
 
 
 _STRICT_TYPES = {"float_type": "a number without quotes", "int_type": "an integer without quotes or a decimal point",

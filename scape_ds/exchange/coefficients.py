@@ -102,24 +102,19 @@ def pick_per_rank(kernels, error: torch.Tensor, chunk_size: int, k_per_chunk: in
 
 
 def add_per_rank(mean: torch.Tensor, all_values: torch.Tensor, all_offsets: torch.Tensor, world_size: int,
-                 chunk_size: int, k_per_chunk: int) -> None:
+                 chunk_size: int, k_per_chunk: int, count: torch.Tensor | None = None) -> None:
     """``mask="per_rank"``: add every rank's sent values (``all_values`` (D k,), ``all_offsets`` (D k,)
     int16, rank-major, of the tiles ``mean`` covers) into ``mean``, in rank order: the same sum on every
-    rank (no offset repeats inside one rank's part)."""
+    rank (no offset repeats inside one rank's part). ``count`` (like ``mean``; ``decode="senders"``):
+    1 added at every coefficient for each rank that sent it."""
     k = all_values.numel() // world_size
+    ones = None if count is None else torch.ones(k, dtype=count.dtype, device=count.device)
     for r in range(world_size):
         part = slice(r * k, (r + 1) * k)
-        mean.index_add_(0, offsets_to_index(all_offsets[part], chunk_size, k_per_chunk), all_values[part])
-
-
-def count_senders(count: torch.Tensor, all_offsets: torch.Tensor, world_size: int, chunk_size: int,
-                  k_per_chunk: int) -> None:
-    """``decode="senders"``: add 1 at every coefficient of ``count`` (the tiles it covers) for each rank
-    whose part of ``all_offsets`` ((D k,) int16, rank-major) names it."""
-    ones = torch.ones(all_offsets.numel() // world_size, dtype=count.dtype, device=count.device)
-    k = ones.numel()
-    for r in range(world_size):
-        count.index_add_(0, offsets_to_index(all_offsets[r * k : (r + 1) * k], chunk_size, k_per_chunk), ones)
+        index = offsets_to_index(all_offsets[part], chunk_size, k_per_chunk)
+        mean.index_add_(0, index, all_values[part])
+        if count is not None:
+            count.index_add_(0, index, ones)
 
 
 def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
@@ -214,7 +209,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     C, D = tiles.chunk_size, comm.world_size
     node.accumulate_coefficients(tiles_all, grad, error, q, kernels, ef_decay)  # e = decay * e + Q g
     mean = torch.zeros(tiles.numel, dtype=error.dtype, device=error.device)  # (numel,) fp32
-    keep = None
+    keep = count = None  # count: decode "senders", the senders of each coefficient
     if mask == "per_rank":
         offsets, values = pick_per_rank(kernels, error, C, k_per_chunk)  # (k,) int16, (k,) fp32
         if value_bits == 32:
@@ -229,15 +224,11 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             count = torch.zeros_like(whole) if decode == "senders" else None  # (numel,) senders per coefficient
             for sl, (v, o) in enumerate(zip(every_values, every_offsets)):
                 part = slice(sl * tiles.numel, (sl + 1) * tiles.numel)
-                add_per_rank(whole[part], v, o, D, C, k_per_chunk)
-                if count is not None:
-                    count_senders(count[part], o, D, C, k_per_chunk)
+                add_per_rank(whole[part], v, o, D, C, k_per_chunk, None if count is None else count[part])
             return _divide(whole, count, D, node.size), None
-        add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk)
         if decode == "senders":
-            count = torch.zeros_like(mean)  # (numel / G,) how many ranks sent each coefficient
-            count_senders(count, all_offsets, D, C, k_per_chunk)
-            return node.gather_coefficients(_divide(mean, count, D, node.size)), None
+            count = torch.zeros_like(mean)  # (numel,) how many ranks sent each coefficient
+        add_per_rank(mean, all_values, all_offsets, D, C, k_per_chunk, count)
     elif mask == "shared":
         if k_per_chunk == C or dense:  # every coefficient (sparsity 0, a dense step): no offsets travel
             index = torch.arange(tiles.numel, device=error.device)  # (numel,) int64
@@ -269,7 +260,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
         mean.index_add_(0, index, values.to(mean.dtype))  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")
-    return node.gather_coefficients(mean.div_(D * node.size)), keep
+    return node.gather_coefficients(_divide(mean, count, D, node.size)), keep
 
 
 def _divide(total: torch.Tensor, count: torch.Tensor | None, world: int, node_size: int) -> torch.Tensor:
