@@ -125,9 +125,10 @@ RUNS: dict[str, tuple] = {
     # issue 45's bytes lever: the default with 8-bit coded values (scape.value_bits, exchange/quantize.py)
     "dct99_q8": ("SCAPE dct 0.99, 8-bit values (per-tile absmax)", "scape_dct.json", dict(value_bits=8)),
     # issue 47: the default's exchange carrying DiLoCo's pseudo-gradients every 30 steps (scape.local_steps)
-    # issue 45: per_rank with bytes flat in D (tile_budget 160: 160 // D per tile), 8-bit values, bf16 dense
+    # issue 45: per_rank with bytes flat in D (tile_budget 160: 160 // D per tile), 8-bit values, bf16 dense;
+    # its rows ran before scape_dct_scale.json shipped Elias-Fano offsets, so it keeps int16 ones
     "dct_scale": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors "
-                  "(scape_dct_scale.json)", "scape_dct_scale.json", {}),
+                  "(scape_dct_scale.json, int16 offsets)", "scape_dct_scale.json", dict(index_code="int16")),
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json", {}),
     "local30_dct99_sgd": ("SCAPE local steps H=30, outer SGD lr 1 (no momentum), dct 0.99", "scape_local.json",
                           dict(outer_lr=1.0, outer_momentum=0.0)),

@@ -42,12 +42,13 @@ import torch
 
 from ..comm import Communicator, all_gather_int16
 from .basis import TileLayout, from_coefficients
+from .index_code import code_bytes, decode_offsets, encode_offsets
 from .masks import offsets_to_index
 from .node import FlatStage, NodeStage
 from .quantize import decode_values, encode_values
 
 __all__ = ["HeldMask", "exchange_dct", "decode_dct", "union_slots", "next_mask_from_momentum", "pick_per_rank",
-           "add_per_rank", "square_norm_fp64"]
+           "add_per_rank", "square_norm_fp64", "all_gather_offsets"]
 
 
 @dataclass
@@ -177,11 +178,27 @@ def next_mask_from_momentum(comm: Communicator, kernels, tiles: TileLayout, mome
     return _owners_choice(comm, kernels, tiles.chunk_size, momentum, k_per_chunk, 1)
 
 
+def all_gather_offsets(comm: Communicator, offsets: torch.Tensor, chunk_size: int, k_per_chunk: int,
+                       index_code: str = "int16") -> torch.Tensor:
+    """All-gather this rank's (k,) int16 in-tile offsets (ascending in each tile) over ``comm``: (D k,)
+    int16, rank-major. ``index_code`` "elias_fano": they travel as one fixed-length Elias-Fano code
+    per tile (:mod:`scape_ds.exchange.index_code`) in a uint8 all-gather and every rank decodes the
+    D codes alike; "int16": as they are."""
+    if index_code == "int16":
+        return all_gather_int16(comm, offsets, "index_ag")
+    code = encode_offsets(offsets, chunk_size, k_per_chunk)  # (n_chunks B,) uint8
+    assert code.numel() == code_bytes(offsets.numel() // k_per_chunk, chunk_size, k_per_chunk)
+    every = torch.empty(comm.world_size * code.numel(), dtype=torch.uint8, device=code.device)  # (D n_chunks B,)
+    comm.all_gather(every, code, "index_ag")
+    return decode_offsets(every, chunk_size, k_per_chunk)  # the D codes are D n_chunks tiles' codes
+
+
 def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, grad: torch.Tensor,
                  q: torch.Tensor, *, mask: str, k_per_chunk: int, ef_decay: float,
                  mask_source: str = "union", mask_hold: int = 1, mask_early: bool = False,
                  held: HeldMask | None = None, dense: bool = False, node: FlatStage | NodeStage | None = None,
-                 value_bits: int = 32, decode: str = "ranks") -> tuple[torch.Tensor, HeldMask | None]:
+                 value_bits: int = 32, decode: str = "ranks",
+                 index_code: str = "int16") -> tuple[torch.Tensor, HeldMask | None]:
     """Steps 1-3 and the sum of step 4 for one param group: takes ``grad`` ((N_pad,), this rank's
     gradient), updates ``error`` ((numel,) fp32) and returns the mean over the ranks of what they sent,
     (numel,) fp32 coefficients, the same bits on every rank (:func:`decode_dct` turns it into u), and the
@@ -203,6 +220,8 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     the slots' values are reduce-scattered and all-gathered as bf16; what rounding this rank's values
     lost stays in ``error`` (the bf16 sums' own rounding is not fed back). ``decode`` "senders"
     (mask "per_rank"): each coefficient's sum is divided by the number of ranks that sent it, not by D.
+    ``index_code`` "elias_fano" (mask "per_rank"): the offsets travel Elias-Fano coded
+    (:func:`all_gather_offsets`); the same offsets arrive, in fewer bytes.
     """
     node = node or FlatStage()
     tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
@@ -217,7 +236,7 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             comm.all_gather(all_values, values, "grad_ag")
         else:
             all_values = _all_gather_coded(comm, error, offsets, values, C, k_per_chunk, value_bits)  # (D k,)
-        all_offsets = all_gather_int16(comm, offsets, "index_ag")  # (D k,) int16
+        all_offsets = all_gather_offsets(comm, offsets, C, k_per_chunk, index_code)  # (D k,) int16
         if node.size > 1:  # every slice's received values gathered in the node: the whole mean from them
             every_values, every_offsets = node.gather_received(all_values, all_offsets)  # (G, D k) each
             whole = torch.zeros(tiles_all.numel, dtype=error.dtype, device=error.device)  # (numel,)

@@ -147,7 +147,8 @@ class LocalSteps:
                 delta = torch.sub(sy.flat, gs.flat_param, out=gs.flat_grad)  # (N_pad,) theta_s - theta
                 mean, _ = exchange_dct(opt.comm, opt._kernels, gs.tiles, gs.error, delta, gs.dct_q, mask=cfg.mask,
                                        k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, node=opt._node,
-                                       value_bits=cfg.value_bits, decode=cfg.decode)  # (numel,) the same on every rank
+                                       value_bits=cfg.value_bits, decode=cfg.decode,
+                                       index_code=cfg.index_code)  # (numel,) the same on every rank
                 u = decode_dct(gs.tiles, mean, gs.flat_grad, gs.dct_q, opt._kernels)  # (N_pad,)
                 self._move(sy.flat, sy.flat_momentum, u, group["lr"])
                 gs.flat_param.copy_(sy.flat)

@@ -389,7 +389,8 @@ class ScapeAdamS(Optimizer):
                     self.comm, self._kernels, gs.tiles, gs.error, gs.flat_grad, gs.dct_q, mask=cfg.mask,
                     k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, mask_source=cfg.mask_source,
                     mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=gs.held_mask,
-                    dense=dense_step, node=self._node, value_bits=cfg.value_bits, decode=cfg.decode)  # (numel,)
+                    dense=dense_step, node=self._node, value_bits=cfg.value_bits, decode=cfg.decode,
+                    index_code=cfg.index_code)  # (numel,)
                 if by_momentum:  # the owner's first moment, and from it the next step's mask
                     gs.held_mask = next_mask_from_momentum(self.comm, self._kernels, gs.tiles, gs.coef_momentum,
                                                            signal, sent, group["betas"][0], cfg.k_per_chunk)

@@ -263,7 +263,7 @@ class Stage3DctExchange(Stage3Exchange):
             self.comm, self.kernels, self.tiles, self.coef_error, self.local_grads, self.q, mask=cfg.mask,
             k_per_chunk=cfg.k_per_chunk, ef_decay=cfg.ef_decay, mask_source=cfg.mask_source,
             mask_hold=cfg.mask_hold, mask_early=cfg.mask_early, held=self.held_mask, dense=dense_step,
-            value_bits=cfg.value_bits, decode=cfg.decode)  # (n_c C,)
+            value_bits=cfg.value_bits, decode=cfg.decode, index_code=cfg.index_code)  # (n_c C,)
         if by_momentum:
             self.held_mask = next_mask_from_momentum(self.comm, self.kernels, self.tiles, self.coef_momentum, mean,
                                                      sent, beta1, cfg.k_per_chunk)

@@ -152,3 +152,16 @@ def test_offsets_to_index_on_gpu_for_the_largest_chunk():
     idx = offsets_to_index(trk.chunk_topk(scores, C, kc), C, kc)
     want = torch.cat([scores[c * C:(c + 1) * C].abs().topk(kc).indices.sort().values + c * C for c in range(2)])
     assert torch.equal(idx, want)
+
+
+@pytest.mark.parametrize("C", [256, 4096, 65536])
+def test_elias_fano_offsets_on_gpu_match_the_cpu_code(C):
+    # the offsets' code on CUDA tensors (no host sync in it): the same bytes as on the CPU, and back
+    from scape_ds.exchange.index_code import decode_offsets, encode_offsets
+
+    for kc in _kcs(C):
+        scores = torch.randn(max(8, (1 << 22) // C), C, generator=_gen(C + kc), device=DEV)  # 4M, 1024 tiles of 4096
+        offsets = tk.chunk_topk(scores.reshape(-1), C, kc)  # (n_chunks kc,) int16, ascending per tile
+        code = encode_offsets(offsets, C, kc)
+        assert code.is_cuda and torch.equal(code.cpu(), encode_offsets(offsets.cpu(), C, kc)), (C, kc)
+        assert torch.equal(decode_offsets(code, C, kc), offsets), (C, kc)

@@ -220,13 +220,22 @@ def test_dct_hierarchy_runs_the_stateful_rules_with_equal_replicas(tmp_path, upd
 def _worker_budget(rank, world_size, tmp_path):
     block = {k: v for k, v in SCAPE.items() if k != "sparsity"}
     cfg = parse_scape_config(dict(block, mask="per_rank", hierarchy="node", intra_node_size=G, tile_budget=16))
-    model = make_mlp(seed=4)
-    opt = _optimizer(model, cfg)
+    coded_cfg = cfg.model_copy(update=dict(index_code="elias_fano"))
+    model, coded_model = make_mlp(seed=4), make_mlp(seed=4)
+    opt, coded = _optimizer(model, cfg), _optimizer(coded_model, coded_cfg)
+    equal = True
     for step in range(2):
         _step(model, opt, step, rank)
-    return opt.cfg.k_per_chunk
+        _step(coded_model, coded, step, rank)
+        equal &= torch.equal(flat_params(model), flat_params(coded_model))
+    return (opt.cfg.k_per_chunk, equal, opt.comm_stats["by_tag"]["index_ag"], coded.comm_stats["by_tag"]["index_ag"],
+            opt._groups[0].tiles.numel // G // C)
 
 
 def test_tile_budget_divides_by_the_nodes_under_the_hierarchy(tmp_path):
-    # 2 nodes x 2: the M = 2 nodes send across, each 16 // 2 = 8 of every tile (not 16 // 4)
-    assert run_ranks(_worker_budget, D, tmp_path) == [16 // M] * D
+    # 2 nodes x 2: the M = 2 nodes send across, each 16 // 2 = 8 of every tile (not 16 // 4); with
+    # index_code "elias_fano" the offsets cross in ceil((8 x 5 + 8 + 256 / 32) / 8) = 7 bytes a tile
+    # instead of 16, and the run is the same bits
+    for kc, equal, plain, coded, tiles in run_ranks(_worker_budget, D, tmp_path):
+        assert kc == 16 // M and equal
+        assert plain == (M - 1) * tiles * kc * 2 and coded == (M - 1) * tiles * 7, (plain, coded, tiles)

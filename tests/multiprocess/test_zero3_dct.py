@@ -129,7 +129,9 @@ def _worker_sparse(rank, world_size, tmp_path, steps, exchange, bf16, scape):
 @pytest.mark.parametrize("exchange,bf16,scape", [
     ("dense", False, {}), ("sparse_replica", False, dict(dct_update="rms")), ("dense", True, dict(mask="shared")),
     ("sparse_replica", False, dict(value_bits=8)), ("dense", False, dict(tile_budget=8)),
-], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit", "tile_budget-8"])
+    ("dense", False, dict(tile_budget=8, index_code="elias_fano")),
+], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit", "tile_budget-8",
+        "tile_budget-8-elias_fano"])
 def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16, scape):
     results = run_ranks(_worker_sparse, 2, tmp_path, 10, exchange, bf16, scape)
     for r in results:
@@ -156,6 +158,8 @@ def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16
             exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_rs": 64 * 2 * 4 // 2, "grad_ag": 64 * 1 * 4}
         elif scape.get("value_bits") == 8:  # per_rank, each value one byte plus one fp32 scale per tile
             exchange_bytes = {"grad_ag": 64 * 3 * 1 + 64 * 4, "index_ag": 64 * 3 * 2}
+        elif scape.get("index_code") == "elias_fano":  # kc = 4 of 256: 6 low bits each and a bitmap of
+            exchange_bytes = {"grad_ag": 64 * kc * 4, "index_ag": 64 * 4}  # 4 + 256 / 64 bits: 4 bytes a tile
         else:  # per_rank: every rank's 64 x kc values (fp32) and in-tile offsets (int16) all-gathered
             exchange_bytes = {"grad_ag": 64 * kc * 4, "index_ag": 64 * kc * 2}
         # the dense tensors' 448 fp32 gradients: stage 1 all-reduces them, ZeRO-3 reduce-scatters their

@@ -5,6 +5,8 @@ TRITON_INTERPRET=1 (tests/conftest.py).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import scipy.fft
@@ -13,6 +15,7 @@ import torch
 from scape_ds.config import parse_scape_config
 from scape_ds.exchange.basis import TileLayout, dct_matrix, from_coefficients, to_coefficients
 from scape_ds.exchange.coefficients import union_slots
+from scape_ds.exchange.index_code import decode_offsets, encode_offsets
 from scape_ds.kernels import torch_kernels as tk
 
 
@@ -174,6 +177,46 @@ def test_value_bits_is_for_the_per_rank_dct_exchange():
         parse_scape_config(dict(basis="dct", value_bits=16))
     with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
         parse_scape_config(dict(basis="dct", mask="shared", overlap=True, value_bits=16))
+
+
+def test_index_code_is_for_the_per_rank_dct_exchange():
+    assert parse_scape_config(dict(basis="dct")).index_code == "int16"
+    assert parse_scape_config(dict(basis="dct", index_code="elias_fano")).index_code == "elias_fano"
+    with pytest.raises(ValueError, match="index_code 'elias_fano' codes the offsets of basis 'dct''s per-rank "
+                                         "exchange: basis 'coordinate' \\(needs 'dct'\\)"):
+        parse_scape_config(dict(index_code="elias_fano"))
+    with pytest.raises(ValueError, match="mask 'shared' \\(needs 'per_rank'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", index_code="elias_fano"))
+    with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
+        parse_scape_config(dict(basis="dct", overlap=True, index_code="elias_fano"))
+    with pytest.raises(ValueError, match="scape.index_code"):
+        parse_scape_config(dict(basis="dct", index_code="varint"))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 256, 4096, 65536])
+def test_elias_fano_offsets_round_trip_at_every_density(chunk_size):
+    # random ascending sets, with the tile's first and last offsets (0 and C - 1, which is -1 as int16
+    # at C = 65536) forced into some tiles; the code's length is the one Elias-Fano gives
+    g = torch.Generator().manual_seed(chunk_size)
+    kcs = sorted({1, 2, 3, chunk_size // 4 - 1, chunk_size // 4, chunk_size // 2, chunk_size // 2 + 1,
+                  chunk_size - 1, chunk_size} - {0})
+    if chunk_size == 65536:
+        kcs = [1, 2, 41, 655, 16384]
+    for kc in kcs:
+        n_chunks = 5
+        keys = torch.rand(n_chunks, chunk_size, generator=g)
+        keys[0, 0] = keys[1, -1] = 2.0  # the largest key: always chosen
+        x = keys.topk(kc, dim=1).indices.sort(dim=1).values  # (n_chunks, kc) ascending
+        assert x[0, 0] == 0 and x[1, -1] == chunk_size - 1
+        offsets = x.reshape(-1).to(torch.int32).to(torch.int16)
+        code = encode_offsets(offsets, chunk_size, kc)
+        low = max(b for b in range(17) if kc << b <= chunk_size)
+        assert code.dtype == torch.uint8 and code.numel() == n_chunks * ((kc * low + kc + (chunk_size >> low) + 7) // 8)
+        assert torch.equal(decode_offsets(code, chunk_size, kc), offsets), (chunk_size, kc)
+        if kc <= chunk_size // 8:  # sparse tiles: under 2 + log2(C / kc) bits an offset, far below 16
+            assert code.numel() * 8 <= n_chunks * kc * (2 + math.log2(chunk_size / kc)) + 8 * n_chunks
+    with pytest.raises(ValueError, match="k_per_chunk must be in 1..16"):
+        encode_offsets(torch.zeros(17, dtype=torch.int16), 16, 17)
 
 
 def test_tile_budget_sets_the_per_rank_sparsity_by_d():
