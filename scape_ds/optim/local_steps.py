@@ -5,7 +5,8 @@ a local optimizer on its own data with no exchange, then exchange the pseudo-gra
 the parameters over those steps, and move one synchronized copy by an outer optimizer. Here the
 pseudo-gradient of the weight matrices travels through SCAPE's DCT exchange
 (:func:`~scape_ds.exchange.coefficients.exchange_dct`: error feedback in coefficients, ``mask``,
-``value_bits``), that of the dense tensors (norms, biases, small tensors) by a dense all-reduce.
+``value_bits``, ``index_code``), that of the dense tensors (norms, biases, small tensors) by a dense
+all-reduce (bf16 with its rounding kept under ``dense_wire "bf16"``).
 
 On every rank, step t (theta_s: the synchronized parameters, the same bits on every rank; theta: the
 rank's local ones, which the model holds):
@@ -141,7 +142,6 @@ class LocalSteps:
 
     def _outer(self) -> None:
         opt, cfg = self.opt, self.opt.cfg
-        D = opt.dp_world_size
         for gs, sy, group in zip(opt._groups, self.synced, opt.param_groups):
             if gs.flat_param is not None:
                 delta = torch.sub(sy.flat, gs.flat_param, out=gs.flat_grad)  # (N_pad,) theta_s - theta
@@ -154,8 +154,8 @@ class LocalSteps:
                 gs.flat_param.copy_(sy.flat)
             if gs.dense_params:
                 delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(sy.dense, gs.dense_params)])
-                opt._node.all_reduce_across(delta, opt.comm, "dense_ar")  # (M,) fp32 sum over every rank
-                delta.div_(D)
+                delta = opt._dense_mean(gs, delta)  # (M,) fp32 mean over every rank (bf16 on the wire, its
+                # rounding kept, under dense_wire "bf16")
                 for i, (p, u) in enumerate(zip(gs.dense_params, delta.split([s.numel() for s in sy.dense]))):
                     self._move(sy.dense[i], sy.dense_momentum[i] if sy.dense_momentum else None, u.view_as(p),
                                group["lr"])

@@ -524,6 +524,12 @@ class ScapeAdamS(Optimizer):
             return None
         dense_g = torch.cat([_grad_or_zeros(p).reshape(-1).to(_state_dtype(p.dtype))
                              for p in gs.dense_params])  # (M,) fp32
+        return self._dense_mean(gs, dense_g)
+
+    def _dense_mean(self, gs: _GroupState, dense_g: torch.Tensor) -> torch.Tensor:
+        """The mean over every data-parallel rank of ``dense_g`` ((M,) fp32, this rank's dense-exchanged
+        values, consumed), by one all-reduce, in bf16 on the wire under ``dense_wire "bf16"`` (what the
+        rounding lost kept in ``gs.dense_error`` for the next exchange)."""
         if self.cfg.dense_wire == "bf16":  # rounded to bf16 for the wire, the rounding kept for the next step
             dense_g.add_(gs.dense_error)
             wire = dense_g.to(torch.bfloat16)  # (M,) bf16

@@ -19,6 +19,7 @@ from scape_ds.optim import ScapeAdamS
 from .harness import run_ranks
 from .models import flat_params, loss_fn, make_batch, make_mlp
 from .test_dct import RecordingCommunicator, _offsets_of
+from .test_dct_index_code import _ef_decode_by_loop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,16 +111,17 @@ def _run(model, opt, rank, start, stop):
     return params
 
 
-def _sparse_opt(model, value_bits, comm=None) -> ScapeAdamS:
-    scape = dict(SCAPE, sparsity=0.99, ef_decay=0.999, clip_local=1.0, value_bits=value_bits)
+def _sparse_opt(model, extra, comm=None) -> ScapeAdamS:
+    scape = dict(SCAPE, sparsity=0.99, ef_decay=0.999, clip_local=1.0, **extra)
     return ScapeAdamS(model.parameters(), **HP, comm=comm, scape=scape)
 
 
-def _worker_sparse(rank, world_size, tmp_path, value_bits):
+def _worker_sparse(rank, world_size, tmp_path, extra):
     steps, H, save_at = 9, 3, 4  # the save falls inside the second period
+    value_bits, coded = extra.get("value_bits", 32), extra.get("index_code") == "elias_fano"
     model = make_mlp(seed=3)
     comm = RecordingCommunicator()
-    opt = _sparse_opt(model, value_bits, comm)
+    opt = _sparse_opt(model, extra, comm)
     opt.memory_bytes()  # the flat buffers and the synchronized copy, before the first step
     gs, local, q, kc = opt._groups[0], opt._local, dct_matrix(16, torch.float64), opt.cfg.k_per_chunk
     captured = {}
@@ -127,10 +129,13 @@ def _worker_sparse(rank, world_size, tmp_path, value_bits):
 
     def capturing_outer():  # Delta = theta_s - theta as the outer step starts (what enters the exchange)
         captured["delta"] = (local.synced[0].flat - gs.flat_param).double()
+        captured["dense"] = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(local.synced[0].dense,
+                                                                                  gs.dense_params)])
+        captured["dense_kept"] = None if gs.dense_error is None else gs.dense_error.clone()
         outer()
 
     local._outer = capturing_outer
-    sync_equal, local_differ, ef_worst, stats, params = True, False, 0.0, [], []
+    sync_equal, local_differ, ef_worst, stats, params, dense_kept_right = True, False, 0.0, [], [], True
     for step in range(steps):
         before = opt.error_feedback().double().clone()
         opt.zero_grad()
@@ -145,7 +150,8 @@ def _worker_sparse(rank, world_size, tmp_path, value_bits):
         sync_equal &= _equal_on_every_rank(params[-1]) and torch.equal(local.synced[0].flat, gs.flat_param)
         log = {tag: (inp, out) for tag, inp, out in comm.log}
         comm.log.clear()
-        offsets = _offsets_of(log["index_ag"][0])
+        offsets = (torch.tensor(_ef_decode_by_loop(bytes(log["index_ag"][0].tolist()), C, kc)) if coded
+                   else _offsets_of(log["index_ag"][0]))
         index = torch.arange(offsets.numel()) // kc * C + offsets
         values = (log["grad_ag"][0] if value_bits == 32
                   else decode_values(log["grad_ag"][0], offsets.numel(), kc, value_bits))
@@ -154,28 +160,35 @@ def _worker_sparse(rank, world_size, tmp_path, value_bits):
         to_coefficients(gs.tiles, captured["delta"], q_delta, q, torch_kernels)  # fp64 oracle of Q Delta
         gap = sent + opt.error_feedback().double() - (0.999 * before + q_delta)
         ef_worst = max(ef_worst, float(gap.abs().max()) / max(float(q_delta.abs().max()), 1e-12))
+        if extra.get("dense_wire") == "bf16":  # what rounding the dense Delta (+ what was kept) to bf16 lost
+            carried = captured["dense"] + captured["dense_kept"]
+            dense_kept_right &= torch.equal(gs.dense_error, carried - carried.bfloat16().float())
     # a save inside a period (after step 4 of H = 3): a fresh model and optimizer repeat steps 5..9 exactly
     model_a = make_mlp(seed=3)
-    opt_a = _sparse_opt(model_a, value_bits)
+    opt_a = _sparse_opt(model_a, extra)
     _run(model_a, opt_a, rank, 0, save_at)
     saved = (flat_params(model_a), opt_a.state_dict())
     model_b = make_mlp(seed=99)
     torch.nn.utils.vector_to_parameters(saved[0], model_b.parameters())
-    opt_b = _sparse_opt(model_b, value_bits)
+    opt_b = _sparse_opt(model_b, extra)
     opt_b.load_state_dict(saved[1])
     resumed = _run(model_b, opt_b, rank, save_at, steps)
     resume_equal = all(torch.equal(a, b) for a, b in zip(resumed, params[save_at:]))
     return dict(sync_equal=sync_equal, local_differ=local_differ, ef_worst=ef_worst, stats=stats,
+                dense_kept_right=dense_kept_right,
                 resume_equal=resume_equal, numel=gs.tiles.numel, kc=kc,
                 dense=sum(p.numel() for p in gs.dense_params), n_pad=gs.layout.padded_numel, n=gs.layout.numel,
                 memory=opt.memory_bytes())
 
 
-@pytest.mark.parametrize("value_bits,world_size", [(32, 2), (8, 4)])
-def test_sparse_outer_steps_replicas_error_feedback_bytes_resume(tmp_path, value_bits, world_size):
-    results = run_ranks(_worker_sparse, world_size, tmp_path, value_bits)
-    D = world_size
+@pytest.mark.parametrize("extra,world_size", [
+    pytest.param({}, 2, id="fp32-2ranks"),
+    pytest.param(dict(value_bits=8, dense_wire="bf16", index_code="elias_fano"), 4, id="q8-bf16-ef-4ranks")])
+def test_sparse_outer_steps_replicas_error_feedback_bytes_resume(tmp_path, extra, world_size):
+    results = run_ranks(_worker_sparse, world_size, tmp_path, extra)
+    D, value_bits = world_size, extra.get("value_bits", 32)
     for r in results:
+        assert r["dense_kept_right"], "the dense tensors' bf16 rounding is not what dense_error keeps"
         assert r["local_differ"], "inner steps must leave the ranks' local parameters apart"
         assert r["sync_equal"], "after an outer step every rank must hold the synchronized parameters"
         assert r["ef_worst"] <= 1e-5, r["ef_worst"]  # sent + kept == 0.999 kept + Q Delta, relative to Q Delta
@@ -186,12 +199,15 @@ def test_sparse_outer_steps_replicas_error_feedback_bytes_resume(tmp_path, value
     r = results[0]
     k = r["numel"] // C * r["kc"]
     values = 4 * k if value_bits == 32 else k + 4 * (r["numel"] // C)
-    dense_ar = 2 * (D - 1) * r["dense"] * 4 // D
+    dense_ar = 2 * (D - 1) * r["dense"] * (2 if extra.get("dense_wire") == "bf16" else 4) // D
+    kc = r["kc"]
+    assert kc == 3  # index_code "elias_fano": kc = 3 of 256, 6 low bits each and a bitmap of 3 + 256 / 64 bits
+    offsets = (r["numel"] // C) * ((kc * 6 + kc + 4 + 7) // 8) if extra.get("index_code") else k * 2
     for step, s in enumerate(r["stats"], start=1):
         if step % 3:
             assert s["bytes_sent"] == 0 and s["bytes_dense"] > 0, s  # an inner step sends nothing
         else:
-            want = {"grad_ag": (D - 1) * values, "index_ag": (D - 1) * k * 2, "dense_ar": dense_ar}
+            want = {"grad_ag": (D - 1) * values, "index_ag": (D - 1) * offsets, "dense_ar": dense_ar}
             assert s["by_tag"] == want, s
 
 
