@@ -2,6 +2,8 @@
 
     python bench/bytes.py                     # 125M shape, 8 ranks, sparsity 0.9/0.99, T 10/100
     python bench/bytes.py --ranks 16 --shape gpt2-125m --out bench/bytes.json
+    python bench/bytes.py --configs ds_configs/scape_dct_scale.json --ranks 2 4 8   # a config's scape
+        # block on the quality bench's 0.45M GPT (--set '{"index_code": "int16"}' to change a field)
 
 How it counts: one process plays rank 0 of D. The real ScapeAdamS runs on parameters of the real
 shapes with ``scape_ds.comm.SimulatedCommunicator``, which moves no data (every "other rank" holds
@@ -66,15 +68,69 @@ def count(params, grads, world_size: int, sparsity: float, interval: int) -> dic
                 sparse_step_vs_dense=(sparse[0]["bytes_sent"] + mask / interval) / dense if sparse else None)
 
 
+def bench_model():
+    """The quality bench's 0.45M byte-level GPT (bench/qualitybench/runs.py's defaults)."""
+    from scape_ds.models import GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_embd=128))
+
+
+def count_config(scape: dict, world_size: int) -> dict:
+    """Bytes per step of a ``scape`` block on the bench model over ``world_size`` simulated ranks: the
+    mean over one period of ``local_steps`` (1: two steps, the second counted), against the dense
+    exchange's, with the meter's split by collective tag."""
+    model = bench_model()
+    comm = SimulatedCommunicator(world_size)
+    opt = ScapeAdamS(model.parameters(), lr=1e-3, scape=scape, comm=comm)
+    x = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    period = scape.get("local_steps", 1)
+    sent = dense = 0
+    by_tag: dict[str, int] = {}
+    for t in range(1 + period):
+        opt.zero_grad()
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        if t >= 1:
+            stats = opt.comm_stats
+            sent, dense = sent + stats["bytes_sent"], dense + stats["bytes_dense"]
+            for tag, b in stats["by_tag"].items():
+                by_tag[tag] = by_tag.get(tag, 0) + b
+    return dict(ranks=world_size, bytes_per_step=sent / period, dense_per_step=dense / period,
+                vs_dense=sent / dense, by_tag={k: v / period for k, v in by_tag.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="gpt2-125m", choices=sorted(GPT_SHAPES))
-    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8])
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="DeepSpeed configs whose scape block to count on the quality bench's model instead")
+    ap.add_argument("--set", default="{}", help="JSON object of scape fields to change in each of --configs")
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.9, 0.99])
     ap.add_argument("--intervals", type=int, nargs="+", default=[10, 100])
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.configs:
+        rows = []
+        for path in args.configs:
+            with open(path, encoding="utf-8") as f:
+                scape = dict(json.load(f)["scape"], **json.loads(args.set))
+            for D in args.ranks:
+                row = dict(count_config(scape, D), config=path, set=args.set)
+                rows.append(row)
+                tags = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(row["by_tag"].items()))
+                print(f"{path} {args.set} D={D}: {row['bytes_per_step']:,.0f} B/step, "
+                      f"{row['vs_dense']:.3%} of dense ({tags})", flush=True)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(rows, f, indent=2)
+        return
+    if len(args.ranks) != 1:
+        ap.error("--ranks takes one value without --configs")
+    args.ranks = args.ranks[0]
     params = build_params(args.shape)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(p.shape, generator=gen) for p in params]

@@ -129,6 +129,9 @@ RUNS: dict[str, tuple] = {
     # its rows ran before scape_dct_scale.json shipped Elias-Fano offsets, so it keeps int16 ones
     "dct_scale": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors "
                   "(scape_dct_scale.json, int16 offsets)", "scape_dct_scale.json", dict(index_code="int16")),
+    # issue 45: scape_dct_scale.json as shipped (Elias-Fano offsets, lossless: the same loss as dct_scale)
+    "dct_scale_ef": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
+                     "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", {}),
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json", {}),
     "local30_dct99_sgd": ("SCAPE local steps H=30, outer SGD lr 1 (no momentum), dct 0.99", "scape_local.json",
                           dict(outer_lr=1.0, outer_momentum=0.0)),
