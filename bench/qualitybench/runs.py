@@ -14,6 +14,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # name -> (label, base config in ds_configs/, overrides of the "scape" block[, of the optimizer params])
 COORD = "scape_coordinate.json"  # SCAPE in the coordinate basis (ds_configs/scape.json before 2026-12-07)
+# scape_local.json's settings before it moved to H = 100 (the first local-steps rows ran with them), and the
+# bytes levers of the rows after
+LOCAL30 = dict(local_steps=30, sparsity=0.99, outer_update="nesterov", outer_lr=0.7, outer_momentum=0.9, ef_decay=0.999,
+               value_bits=32, dense_wire="fp32", index_code="int16")
+LOCAL_LEVERS = dict(outer_update="nesterov", outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8, value_bits=8,
+                    dense_wire="bf16", index_code="elias_fano")
 RUNS: dict[str, tuple] = {
     "adamw": ("dense AdamW", "dense_adamw.json", {}),
     "adams": ("dense AdamS", "dense_adams.json", {}),
@@ -132,15 +138,29 @@ RUNS: dict[str, tuple] = {
     # issue 45: scape_dct_scale.json as shipped (Elias-Fano offsets, lossless: the same loss as dct_scale)
     "dct_scale_ef": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
                      "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", {}),
-    "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json", {}),
+    "dct_scale_ef_b224": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
+                          "Elias-Fano offsets", "scape_dct_scale.json", dict(tile_budget=224)),
+    # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
+    "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",
+                      dict(LOCAL30)),
     "local30_dct99_sgd": ("SCAPE local steps H=30, outer SGD lr 1 (no momentum), dct 0.99", "scape_local.json",
-                          dict(outer_lr=1.0, outer_momentum=0.0)),
+                          dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0)),
     "local30_dct99_sgd_ef95": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.95, dct 0.99", "scape_local.json",
-                               dict(outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95)),
+                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95)),
     "local30_dct99_sgd_ef80": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.8, dct 0.99", "scape_local.json",
-                               dict(outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8)),
+                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8)),
     "local30_dct99_signlr15": ("SCAPE local steps H=30, outer sign, 15 x the lr a step, dct 0.99", "scape_local.json",
-                               dict(outer_update="sign_lr", outer_lr=15.0)),
+                               dict(LOCAL30, outer_update="sign_lr", outer_lr=15.0)),
+    # issue 47 at <= 0.1% of the bytes: the ef 0.8 SGD recipe with the bytes levers (8-bit values, bf16 dense,
+    # Elias-Fano offsets) spent on more coefficients (H 30, sparsity 0.95: 0.088%) or more exchanges
+    # (H 10, 0.99: 0.094%), and H 100 at sparsity 0.8 (0.080%: scape_local.json since)
+    "local30_s95_q8ef": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.8, dct 0.95, 8-bit values, bf16 dense, "
+                         "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=30, sparsity=0.95)),
+    "local10_q8ef": ("SCAPE local steps H=10, outer SGD lr 1, ef_decay 0.8, dct 0.99, 8-bit values, bf16 dense, "
+                     "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=10, sparsity=0.99)),
+    "local100_s80_q8ef": ("SCAPE local steps H=100, outer SGD lr 1, ef_decay 0.8, dct 0.8, 8-bit values, bf16 dense, "
+                          "Elias-Fano offsets (scape_local.json)", "scape_local.json",
+                          dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8)),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
     # ZeRO-3 (path B, coordinate basis: ds_configs/scape_zero3_coordinate.json, scape_zero3.json until it moved to
     # basis dct): norms, biases and tensors under dense_numel_threshold reduced densely as on path A, against every

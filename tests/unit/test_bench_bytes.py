@@ -28,6 +28,7 @@ def test_elias_fano_offsets_cost_43_bytes_a_tile_at_kc_40():
 
 def test_local_steps_bytes_are_the_outer_exchange_over_h():
     every = bench_bytes.count_config(_scape("scape_dct.json"), 2)
-    local = bench_bytes.count_config(_scape("scape_local.json", local_steps=5), 2)
-    # the same exchange (sparsity 0.99, fp32) once per 5 steps
+    local = bench_bytes.count_config(_scape("scape_local.json", local_steps=5, sparsity=0.99, value_bits=32,
+                                            dense_wire="fp32", index_code="int16"), 2)
+    # the same exchange (sparsity 0.99, fp32, int16 offsets) once per 5 steps
     assert local["bytes_per_step"] * 5 == every["bytes_per_step"]
