@@ -225,9 +225,9 @@ class ScapeConfig(BaseModel):
     together (None: off). Each rank sends max(1, tile_budget // D) of every tile, D the data-parallel
     ranks (the nodes under ``hierarchy "node"``; at most every coefficient of the tile), which sets
     ``sparsity`` (not given with it). per_rank's
-    bytes, about 0.75 D rho, then stay about the same whatever D: 160 with ``value_bits`` 8 and
-    ``dense_wire "bf16"`` is about 1.9% of the dense bytes at D = 4 and 8 on the bench model
-    (bench/RESULTS.md)."""
+    bytes, about 0.75 D rho, then stay about the same whatever D: 224 with ``value_bits`` 8,
+    ``dense_wire "bf16"`` and ``index_code "elias_fano"`` (``scape_dct_scale.json``) is 1.82% and 1.94%
+    of the dense bytes at D = 4 and 8 on the bench model (bench/RESULTS.md)."""
 
     decode: Literal["ranks", "senders"] = "ranks"
     """``basis="dct"``, ``mask="per_rank"``: how the received coefficients become the mean u decodes.

@@ -134,12 +134,15 @@ RUNS: dict[str, tuple] = {
     # issue 45: per_rank with bytes flat in D (tile_budget 160: 160 // D per tile), 8-bit values, bf16 dense;
     # its rows ran before scape_dct_scale.json shipped Elias-Fano offsets, so it keeps int16 ones
     "dct_scale": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors "
-                  "(scape_dct_scale.json, int16 offsets)", "scape_dct_scale.json", dict(index_code="int16")),
-    # issue 45: scape_dct_scale.json as shipped (Elias-Fano offsets, lossless: the same loss as dct_scale)
+                  "(scape_dct_scale.json, int16 offsets)", "scape_dct_scale.json",
+                  dict(index_code="int16", tile_budget=160)),
+    # issue 45: scape_dct_scale.json with Elias-Fano offsets (lossless: the same loss as dct_scale), at 160
+    # and at 224 (shipped since)
     "dct_scale_ef": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
-                     "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", {}),
+                     "Elias-Fano offsets (scape_dct_scale.json until it moved to 224)", "scape_dct_scale.json",
+                     dict(tile_budget=160)),
     "dct_scale_ef_b224": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
-                          "Elias-Fano offsets", "scape_dct_scale.json", dict(tile_budget=224)),
+                          "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", dict(tile_budget=224)),
     # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",
                       dict(LOCAL30)),

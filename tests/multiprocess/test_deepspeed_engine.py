@@ -197,17 +197,17 @@ def _worker_scale_config(rank, world_size, tmp_path):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_scale_config_as_shipped_sends_the_budget_over_d(tmp_path, world_size):
-    # ds_configs/scape_dct_scale.json: tile_budget 160 (here over 16 x 16 tiles), 8-bit values, bf16
+    # ds_configs/scape_dct_scale.json: tile_budget 224 (here over 16 x 16 tiles), 8-bit values, bf16
     # dense tensors, Elias-Fano offsets; each rank's payload is one byte per value plus one fp32 scale per
     # tile, its offsets kc l low bits and a bitmap of kc + 256 / 2^l bits a tile, l = floor(log2(256 / kc))
     results = run_ranks(_worker_scale_config, world_size, tmp_path)
-    D, kc = world_size, 160 // world_size
+    D, kc = world_size, 224 // world_size
     for r in results:
         assert r["kc"] == kc and r["equal"], (r["kc"], r["equal"])
         assert r["losses"][-1] < r["losses"][0]
     r = results[0]
     assert r["by_tag"]["grad_ag"] == (D - 1) * r["n_chunks"] * (kc + 4), r["by_tag"]
-    low = {80: 1, 40: 2}[kc]
+    low = {112: 1, 56: 2}[kc]  # floor(log2(256 / kc))
     assert r["by_tag"]["index_ag"] == (D - 1) * r["n_chunks"] * ((kc * low + kc + 256 // 2**low + 7) // 8), r["by_tag"]
     assert r["by_tag"]["dense_ar"] == collective_bytes("all_reduce", r["n_dense"] * 2, D), r["by_tag"]  # bf16
 

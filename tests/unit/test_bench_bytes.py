@@ -15,8 +15,8 @@ def _scape(name: str, **changes) -> dict:
 def test_elias_fano_offsets_cost_43_bytes_a_tile_at_kc_40():
     # 4 ranks, tile_budget 160: 40 of each 4096-coefficient tile per rank; int16 offsets 80 bytes a tile,
     # Elias-Fano 40 x 6 low bits + a bitmap of 40 + 64 bits = 43 bytes; nothing else changes
-    plain = bench_bytes.count_config(_scape("scape_dct_scale.json", index_code="int16"), 4)
-    coded = bench_bytes.count_config(_scape("scape_dct_scale.json"), 4)
+    plain = bench_bytes.count_config(_scape("scape_dct_scale.json", index_code="int16", tile_budget=160), 4)
+    coded = bench_bytes.count_config(_scape("scape_dct_scale.json", tile_budget=160), 4)
     tiles = plain["by_tag"]["index_ag"] / (3 * 40 * 2)
     assert tiles == int(tiles) > 0
     assert coded["by_tag"]["index_ag"] == 3 * tiles * 43
