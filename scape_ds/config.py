@@ -448,18 +448,12 @@ class ScapeConfig(BaseModel):
             if bad:
                 raise ValueError(f"tile_budget {self.tile_budget} sets basis 'dct''s per-rank sparsity by the "
                                  f"number of ranks: " + ", ".join(bad))
-        if self.index_code != "int16":
-            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
-            bad = _unmet(settings)
+        per_rank_only = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
+        for name, default, what in (("index_code", "int16", "codes the offsets of basis 'dct''s per-rank exchange"),
+                                    ("decode", "ranks", "averages basis 'dct''s per-rank messages over their senders")):
+            bad = _unmet(per_rank_only) if getattr(self, name) != default else []
             if bad:
-                raise ValueError(f"index_code {self.index_code!r} codes the offsets of basis 'dct''s per-rank "
-                                 f"exchange: " + ", ".join(bad))
-        if self.decode != "ranks":
-            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
-            bad = _unmet(settings)
-            if bad:
-                raise ValueError(f"decode {self.decode!r} averages basis 'dct''s per-rank messages over their "
-                                 f"senders: " + ", ".join(bad))
+                raise ValueError(f"{name} {getattr(self, name)!r} {what}: " + ", ".join(bad))
         if self.comm_backend == "mpi" and (self.value_bits == 16 or self.dense_wire == "bf16"):
             raise ValueError("comm_backend 'mpi' reduces fp32 and fp64 only: value_bits 16 and dense_wire 'bf16' "
                              "sum bf16 values; use comm_backend 'torch' or fp32 on the wire")
