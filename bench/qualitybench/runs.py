@@ -143,6 +143,11 @@ RUNS: dict[str, tuple] = {
                      dict(tile_budget=160)),
     "dct_scale_ef_b224": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
                           "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", dict(tile_budget=224)),
+    # issue 45: scape_dct_scale.json decoding each coefficient over the ranks that sent it (decode "senders"), not
+    # over D: the probe's direction gains with D (docs/design.md), no byte more
+    "dct_scale_b224_senders": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
+                               "Elias-Fano offsets, mean over senders", "scape_dct_scale.json",
+                               dict(tile_budget=224, decode="senders")),
     # issue 45: 4-bit values (per-tile absmax) spent on more coefficients, 288 // D per tile: fewer bytes than 224 at
     # 8 bits (1.73% against 1.82% at D = 4, 1.89% against 1.94% at D = 8)
     "dct_scale_q4_b288": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
