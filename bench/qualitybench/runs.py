@@ -148,6 +148,11 @@ RUNS: dict[str, tuple] = {
     "dct_scale_b224_senders": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
                                "Elias-Fano offsets, mean over senders", "scape_dct_scale.json",
                                dict(tile_budget=224, decode="senders")),
+    # issue 45: does AdamS on the dense tensors keep the sign update from a higher lr? `dct_scale` (160 // D) with
+    # them stepped by AdamW (ABLATIONS)
+    "dct_scale_dense_adamw": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
+                              "int16 offsets, dense tensors by AdamW (ablation)", "scape_dct_scale.json",
+                              dict(index_code="int16", tile_budget=160)),
     # issue 45: 4-bit values (per-tile absmax) spent on more coefficients, 288 // D per tile: fewer bytes than 224 at
     # 8 bits (1.73% against 1.82% at D = 4, 1.89% against 1.94% at D = 8)
     "dct_scale_q4_b288": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
@@ -215,8 +220,26 @@ def _zero3_every_tensor_sparse():
     return mock.patch("scape_ds.exchange.stage3.dense_tensor_ids", lambda params, threshold: set())
 
 
+def _dense_tensors_by_adamw():
+    """The dense tensors (norms, biases) of ScapeAdamS stepped by AdamW (torch's, its second moment in a dict
+    by tensor, not checkpointed: a resumed run restarts it) instead of AdamS: does AdamS on them limit the lr?"""
+    from unittest import mock
+
+    import torch
+
+    second: dict[int, torch.Tensor] = {}
+
+    def adamw(params, grads, momenta, *, step, lr, beta1, beta2, eps, weight_decay, bias_correction, foreach=None):
+        vs = [second.setdefault(id(p), torch.zeros_like(p)) for p in params]
+        torch.optim._functional.adamw(params, grads, momenta, vs, [], [torch.tensor(float(step - 1)) for _ in params],
+                                      foreach=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                                      weight_decay=weight_decay, eps=eps, maximize=False)
+
+    return mock.patch("scape_ds.optim.scape.adams", adamw)
+
+
 # runs that differ by code, not by config: a context manager around their training, on every rank
-ABLATIONS = {"z3_99_all_sparse": _zero3_every_tensor_sparse}
+ABLATIONS = {"z3_99_all_sparse": _zero3_every_tensor_sparse, "dct_scale_dense_adamw": _dense_tensors_by_adamw}
 # runs that are not a config of the product alone: the loop calls a baseline object (baselines.py)
 BASELINES: dict[str, dict] = {
     "diloco_H30": dict(kind="diloco", H=30),
