@@ -157,6 +157,9 @@ RUNS: dict[str, tuple] = {
     # 8 bits (1.73% against 1.82% at D = 4, 1.89% against 1.94% at D = 8)
     "dct_scale_q4_b288": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
                           "Elias-Fano offsets", "scape_dct_scale.json", dict(tile_budget=288, value_bits=4)),
+    "dct_scale_q4_b288_senders": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
+                                  "Elias-Fano offsets, mean over senders", "scape_dct_scale.json",
+                                  dict(tile_budget=288, value_bits=4, decode="senders")),
     # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",
                       dict(LOCAL30)),
