@@ -192,6 +192,9 @@ RUNS: dict[str, tuple] = {
     "local100_s80_q8ef_olr07": ("SCAPE local steps H=100, outer SGD lr 0.7, ef_decay 0.8, dct 0.8, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
                                 dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=0.7)),
+    "local100_s80_q8ef_olr16": ("SCAPE local steps H=100, outer SGD lr 1.6, ef_decay 0.8, dct 0.8, 8-bit values, "
+                                "bf16 dense, Elias-Fano offsets", "scape_local.json",
+                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.6)),
     "local50_s90_q8ef": ("SCAPE local steps H=50, outer SGD lr 1, ef_decay 0.8, dct 0.9, 8-bit values, bf16 dense, "
                          "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=50, sparsity=0.9)),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
