@@ -20,6 +20,8 @@ LOCAL30 = dict(local_steps=30, sparsity=0.99, outer_update="nesterov", outer_lr=
                value_bits=32, dense_wire="fp32", index_code="int16")
 LOCAL_LEVERS = dict(outer_update="nesterov", outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8, value_bits=8,
                     dense_wire="bf16", index_code="elias_fano")
+# the inner lr scape_local.json carried before it moved to 4.5e-3: the local-steps rows ran at it unless --lr said
+LOCAL_LR = dict(lr=3e-3)
 RUNS: dict[str, tuple] = {
     "adamw": ("dense AdamW", "dense_adamw.json", {}),
     "adams": ("dense AdamS", "dense_adams.json", {}),
@@ -162,36 +164,39 @@ RUNS: dict[str, tuple] = {
                                   dict(tile_budget=288, value_bits=4, decode="senders")),
     # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",
-                      dict(LOCAL30)),
+                      dict(LOCAL30), LOCAL_LR),
     "local30_dct99_sgd": ("SCAPE local steps H=30, outer SGD lr 1 (no momentum), dct 0.99", "scape_local.json",
-                          dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0)),
+                          dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0), LOCAL_LR),
     "local30_dct99_sgd_ef95": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.95, dct 0.99", "scape_local.json",
-                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95)),
+                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.95), LOCAL_LR),
     "local30_dct99_sgd_ef80": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.8, dct 0.99", "scape_local.json",
-                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8)),
+                               dict(LOCAL30, outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8), LOCAL_LR),
     "local30_dct99_signlr15": ("SCAPE local steps H=30, outer sign, 15 x the lr a step, dct 0.99", "scape_local.json",
-                               dict(LOCAL30, outer_update="sign_lr", outer_lr=15.0)),
+                               dict(LOCAL30, outer_update="sign_lr", outer_lr=15.0), LOCAL_LR),
     # issue 47 at <= 0.1% of the bytes: the ef 0.8 SGD recipe with the bytes levers (8-bit values, bf16 dense,
     # Elias-Fano offsets) spent on more coefficients (H 30, sparsity 0.95: 0.088%) or more exchanges
     # (H 10, 0.99: 0.094%), and H 100 at sparsity 0.8 (0.080%: scape_local.json since)
     "local30_s95_q8ef": ("SCAPE local steps H=30, outer SGD lr 1, ef_decay 0.8, dct 0.95, 8-bit values, bf16 dense, "
-                         "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=30, sparsity=0.95)),
+                         "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=30, sparsity=0.95),
+                         LOCAL_LR),
     "local10_q8ef": ("SCAPE local steps H=10, outer SGD lr 1, ef_decay 0.8, dct 0.99, 8-bit values, bf16 dense, "
-                     "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=10, sparsity=0.99)),
+                     "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=10, sparsity=0.99),
+                     LOCAL_LR),
     "local100_s80_q8ef": ("SCAPE local steps H=100, outer SGD lr 1, ef_decay 0.8, dct 0.8, 8-bit values, bf16 dense, "
                           "Elias-Fano offsets (scape_local.json)", "scape_local.json",
-                          dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8)),
+                          dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8), LOCAL_LR),
     # issue 47, toward 1.03x at <= 0.1%: an outer lr above 1 (15 outer steps in a run: the average lags), and 4-bit
     # values spent on 30% of the coefficients (0.076%)
     "local100_s70_q4ef_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, dct 0.7, 4-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
-                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.7, value_bits=4, outer_lr=1.3)),
+                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.7, value_bits=4, outer_lr=1.3),
+                                LOCAL_LR),
     "local100_s80_q8ef_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, dct 0.8, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
-                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.3)),
+                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.3), LOCAL_LR),
     "local100_s80_q8ef_olr16": ("SCAPE local steps H=100, outer SGD lr 1.6, ef_decay 0.8, dct 0.8, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
-                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.6)),
+                                dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.6), LOCAL_LR),
     "dct99_k32": ("SCAPE dct, 32 per tile (the default with DeMo's k)", "scape_dct.json", dict(sparsity=1 - 32 / 4096)),
     # ZeRO-3 (path B, coordinate basis: ds_configs/scape_zero3_coordinate.json, scape_zero3.json until it moved to
     # basis dct): norms, biases and tensors under dense_numel_threshold reduced densely as on path A, against every
