@@ -183,7 +183,7 @@ RUNS: dict[str, tuple] = {
                      "Elias-Fano offsets", "scape_local.json", dict(LOCAL_LEVERS, local_steps=10, sparsity=0.99),
                      LOCAL_LR),
     "local100_s80_q8ef": ("SCAPE local steps H=100, outer SGD lr 1, ef_decay 0.8, dct 0.8, 8-bit values, bf16 dense, "
-                          "Elias-Fano offsets (scape_local.json)", "scape_local.json",
+                          "Elias-Fano offsets (scape_local.json at lr 3e-3, outer lr 1)", "scape_local.json",
                           dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8), LOCAL_LR),
     # issue 47, toward 1.03x at <= 0.1%: an outer lr above 1 (15 outer steps in a run: the average lags), and 4-bit
     # values spent on 30% of the coefficients (0.076%)
@@ -192,7 +192,7 @@ RUNS: dict[str, tuple] = {
                                 dict(LOCAL_LEVERS, local_steps=100, sparsity=0.7, value_bits=4, outer_lr=1.3),
                                 LOCAL_LR),
     "local100_s80_q8ef_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, dct 0.8, 8-bit values, "
-                                "bf16 dense, Elias-Fano offsets", "scape_local.json",
+                                "bf16 dense, Elias-Fano offsets (scape_local.json at --lr 0.0045)", "scape_local.json",
                                 dict(LOCAL_LEVERS, local_steps=100, sparsity=0.8, outer_lr=1.3), LOCAL_LR),
     "local100_s80_q8ef_olr16": ("SCAPE local steps H=100, outer SGD lr 1.6, ef_decay 0.8, dct 0.8, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
