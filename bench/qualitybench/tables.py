@@ -248,23 +248,31 @@ SEED_COLUMNS = ["configuration", "lr", "n_layer", "n_embd", "steps", "ranks", "v
 def seed_groups(rows: dict[str, dict]) -> list[dict]:
     """Runs that differ only by ``seed`` (same configuration, lr, size, steps, ranks, splits), grouped,
     with 2 seeds or more: the mean, min and max of the validation and test losses, and the test loss
-    over dense AdamW's of the same seed (paired: AdamW at its own lr, same settings), mean/min/max.
-    Loss columns are NaN where the rows have none (runs without a test split)."""
+    over dense AdamW's of the same seed (paired: AdamW at its best lr for the same settings, the lr of
+    its lowest mean validation loss over the seeds run there), mean/min/max. Loss columns are NaN
+    where the rows have none (runs without a test split)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows.values():
         s = _settings(r)
         key = (config_key(r), _num(r["lr"]), *s[:3], *s[4:])  # everything but the seed
         groups.setdefault(key, []).append(r)
-    adamw = {(_settings(r)[:3] + _settings(r)[4:], r["seed"]): r for r in rows.values()
-             if r["run"].split("__")[0] == "adamw" and _num(r["lr"]) == run_lr("adamw")}
+    val_by_lr: dict[tuple, dict[float, list[float]]] = {}
+    adamw_rows = [r for r in rows.values() if r["run"].split("__")[0] == "adamw"]
+    for r in adamw_rows:
+        val_by_lr.setdefault(_settings(r)[:3] + _settings(r)[4:], {}).setdefault(_num(r["lr"]), []).append(
+            _num(r["val_loss"]))
+    best_lr = {k: min(by_lr, key=lambda lr: sum(by_lr[lr]) / len(by_lr[lr])) for k, by_lr in val_by_lr.items()}
+    # the seed as _settings gives it (a string): a fresh result carries an int, a row read back a string
+    adamw = {(_settings(r)[:3] + _settings(r)[4:], _settings(r)[3]): r for r in adamw_rows
+             if _num(r["lr"]) == best_lr[_settings(r)[:3] + _settings(r)[4:]]}
     out = []
     for (conf, lr, n_layer, n_embd, steps, ranks, vf, tf), rs in groups.items():
-        if len({r["seed"] for r in rs}) < 2:
+        if len({_settings(r)[3] for r in rs}) < 2:
             continue
         val, test = [_num(r["val_loss"]) for r in rs], [_num(r.get("test_loss")) for r in rs]
         ratios = []
         for r in rs:
-            ref = adamw.get((_settings(r)[:3] + _settings(r)[4:], r["seed"]))
+            ref = adamw.get((_settings(r)[:3] + _settings(r)[4:], _settings(r)[3]))
             if ref is not None:
                 ratios.append(_num(r.get("test_loss")) / _num(ref.get("test_loss")))
 

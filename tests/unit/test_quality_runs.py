@@ -293,6 +293,26 @@ def test_seed_groups_give_mean_spread_and_the_ratio_to_adamw_of_the_same_seed(tm
     assert os.path.getsize(tmp_path / "seeds.png") > 0
 
 
+def test_seed_groups_pair_with_adamw_at_its_best_lr_for_the_same_settings(tmp_path):
+    # at 4 ranks AdamW's best lr is 4.5e-3, not the entry's 3e-3: the ratio is against the lr of AdamW's
+    # lowest mean validation loss at those settings, whatever the other configuration's lr
+    base = dict(n_layer=2, n_embd=128, steps=20, ranks=4, val_fraction=0.05, test_fraction=0.02)
+
+    def row(rid, label, lr, seed, val, test):
+        return rid, dict(base, run=rid, label=label, method="x", lr=lr, seed=seed, val_loss=val, test_loss=test,
+                         bytes_frac=1.0)
+
+    rows = dict([
+        row("adamw__s1_a", "dense AdamW", 3e-3, 1, 2.3, 2.2), row("adamw__s2_a", "dense AdamW", 3e-3, 2, 2.1, 2.0),
+        row("adamw__s1_b", "dense AdamW", 4.5e-3, 1, 2.0, 2.5), row("adamw__s2_b", "dense AdamW", 4.5e-3, 2, 2.2, 2.4),
+        row("dct99__s1", "SCAPE dct", 3e-3, 1, 2.0, 2.25), row("dct99__s2", "SCAPE dct", 3e-3, 2, 2.0, 2.4),
+    ])  # AdamW's mean val: 2.2 at 3e-3, 2.1 at 4.5e-3 (its test losses do not choose)
+    for rid in ("adamw__s1_a", "adamw__s2_a", "adamw__s1_b", "adamw__s2_b"):
+        rows[rid]["seed"] = str(rows[rid]["seed"])  # read back from the csv; the dct99 rows fresh (int seeds)
+    g = {g["configuration"]: g for g in tables.seed_groups(rows)}["SCAPE dct"]
+    assert (g["test_vs_adamw_min"], g["test_vs_adamw_max"]) == (pytest.approx(0.9), pytest.approx(1.0))
+
+
 def test_a_dirty_run_stores_its_diff_and_names_its_hash(tmp_path, monkeypatch):
     import hashlib
     import subprocess
