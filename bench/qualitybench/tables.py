@@ -91,6 +91,13 @@ def _settings(row: dict) -> tuple:
         f"{_num(row.get('test_fraction') or 0):g}",)
 
 
+def _but_seed(row: dict) -> tuple[tuple, str]:
+    """:func:`_settings` of ``row`` without its seed, and the seed (as the string :func:`_settings` gives: a
+    fresh result carries an int, a row read back a string)."""
+    s = _settings(row)
+    return s[:3] + s[4:], s[3]
+
+
 def _num(x) -> float:
     try:
         return float(x)
@@ -253,26 +260,21 @@ def seed_groups(rows: dict[str, dict]) -> list[dict]:
     where the rows have none (runs without a test split)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows.values():
-        s = _settings(r)
-        key = (config_key(r), _num(r["lr"]), *s[:3], *s[4:])  # everything but the seed
-        groups.setdefault(key, []).append(r)
+        groups.setdefault((config_key(r), _num(r["lr"]), *_but_seed(r)[0]), []).append(r)
     val_by_lr: dict[tuple, dict[float, list[float]]] = {}
     adamw_rows = [r for r in rows.values() if r["run"].split("__")[0] == "adamw"]
     for r in adamw_rows:
-        val_by_lr.setdefault(_settings(r)[:3] + _settings(r)[4:], {}).setdefault(_num(r["lr"]), []).append(
-            _num(r["val_loss"]))
+        val_by_lr.setdefault(_but_seed(r)[0], {}).setdefault(_num(r["lr"]), []).append(_num(r["val_loss"]))
     best_lr = {k: min(by_lr, key=lambda lr: sum(by_lr[lr]) / len(by_lr[lr])) for k, by_lr in val_by_lr.items()}
-    # the seed as _settings gives it (a string): a fresh result carries an int, a row read back a string
-    adamw = {(_settings(r)[:3] + _settings(r)[4:], _settings(r)[3]): r for r in adamw_rows
-             if _num(r["lr"]) == best_lr[_settings(r)[:3] + _settings(r)[4:]]}
+    adamw = {_but_seed(r): r for r in adamw_rows if _num(r["lr"]) == best_lr[_but_seed(r)[0]]}
     out = []
     for (conf, lr, n_layer, n_embd, steps, ranks, vf, tf), rs in groups.items():
-        if len({_settings(r)[3] for r in rs}) < 2:
+        if len({_but_seed(r)[1] for r in rs}) < 2:
             continue
         val, test = [_num(r["val_loss"]) for r in rs], [_num(r.get("test_loss")) for r in rs]
         ratios = []
         for r in rs:
-            ref = adamw.get((_settings(r)[:3] + _settings(r)[4:], _settings(r)[3]))
+            ref = adamw.get(_but_seed(r))
             if ref is not None:
                 ratios.append(_num(r.get("test_loss")) / _num(ref.get("test_loss")))
 
