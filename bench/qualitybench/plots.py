@@ -11,9 +11,9 @@ from .tables import _num, _reference, _settings, best_by_lr
 TARGET_CONFIGS = ["dense AdamW", "dense AdamS", "SCAPE 0.9, T=100", "SCAPE 0.99, T=100", "grad top-k + EF 0.99, T=100"]
 
 
-def _save_png(fig, path: str) -> None:
-    """Write ``fig`` as a 64-colour palette PNG (a line plot needs no more; a quarter of the bytes, so
-    bench/ stays small in git). Pillow comes with matplotlib."""
+def _save_png(fig, path: str, colors: int = 64) -> None:
+    """Write ``fig`` as a palette PNG of ``colors`` colours (a line plot needs no more; a quarter of the
+    bytes, so bench/ stays small in git). Pillow comes with matplotlib."""
     import io
 
     from PIL import Image
@@ -21,7 +21,7 @@ def _save_png(fig, path: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     buf.seek(0)
-    Image.open(buf).convert("RGB").quantize(colors=64, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
+    Image.open(buf).convert("RGB").quantize(colors=colors, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
 
@@ -43,9 +43,13 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
             panels.setdefault((_settings(r), lr_class(r)), []).append(rid)
     order = {"lr 3e-3": 0, "lr 1e-3": 1, "other lrs": 2}
     keys = sorted(panels, key=lambda k: (k[0] != _settings(dict(DEFAULTS, n_params=0)), k[0], order[k[1]]))
-    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 5), sharey=True, squeeze=False)
+    ncols = min(4, len(keys))  # a grid, not one row 30 panels wide
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
     colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # 20 distinct: a panel has up to 14 runs
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes.flat, keys):
         ids = panels[key]
         ax.set_prop_cycle(color=colors)
         ref = _reference(rows, rows[ids[0]])
@@ -60,13 +64,17 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
         ax.set_title(f"{key[1]}: GPT {n_layer}x{n_embd}, {steps_} steps, seed {seed}, {ranks} ranks", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("validation loss (nats/byte)")
+        if len(ids) <= 16:
+            ax.legend(fontsize=5, loc="upper right")
+        else:  # a legend of dozens of runs covers the panel; the runs are the CSVs' rows
+            ax.text(0.98, 0.98, f"{len(ids)} runs: see quality_summary.csv", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=6)
+    for row in axes:
+        row[0].set_ylabel("validation loss (nats/byte)")
     axes[0][0].set_ylim(top=3.2)
     fig.tight_layout()
-    _save_png(fig, path)
+    _save_png(fig, path, colors=32)  # the largest plot: an overview of every curve, 32 colours suffice
     plt.close(fig)
-
 
 
 def plot_best(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:

@@ -146,7 +146,7 @@ def write_tables(results: dict[str, dict], bench_dir: str) -> dict[str, dict]:
         w.writerow(CURVE_COLUMNS)
         for rid in ids:
             for step, val in curves.get(rid, []):
-                w.writerow([rid, step, f"{val:.6f}"])
+                w.writerow([rid, step, f"{val:.4f}"])
     for name in (SUMMARY_CSV, CURVES_CSV):
         os.replace(os.path.join(bench_dir, name) + ".tmp", os.path.join(bench_dir, name))
     return {rid: rows[rid] for rid in ids}

@@ -220,7 +220,7 @@ def test_tracked_tables_cover_the_bundled_runs():
         assert r["command"].startswith("python bench/quality.py"), rid
         assert curves.get(rid), rid
         assert int(r["steps"]) == curves[rid][-1][0]
-        assert float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=1e-6)
+        assert float(r["val_loss"]) == pytest.approx(curves[rid][-1][1], abs=5.1e-5)  # curves keep 4 decimals
 
 
 def test_summaries_get_their_ratio_to_dense_adams_in_the_same_dir(tmp_path):
