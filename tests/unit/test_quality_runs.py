@@ -88,6 +88,10 @@ def test_local_steps_column_for_new_rows_and_rows_written_before_it(tmp_path):
     budget["scape"] = dict(budget["scape"], tile_budget=160)
     del budget["scape"]["sparsity"]
     assert runs.describe("dct99", budget, 8)["sparsity"] == 1 - 20 / 4096  # scape.tile_budget over 8 ranks
+    local = runs.make_config("local100_tb1638_olr13", 10, 16, 5)["scape"]  # an override of None drops the field
+    assert "sparsity" not in local and local["tile_budget"] == 1638 and local["local_steps"] == 100
+    assert runs.describe("local100_tb1638_olr13", {"optimizer": {"params": {"lr": 1e-3}}, "scape": local},
+                         4)["sparsity"] == 1 - 409 / 4096
     old = [c for c in runs.SUMMARY_COLUMNS if c != "local_steps"]
     with open(tmp_path / runs.SUMMARY_CSV, "w", newline="") as f:
         w = csv.writer(f)
