@@ -210,6 +210,14 @@ RUNS: dict[str, tuple] = {
     "local300_s30_q8ef_olr13": ("SCAPE local steps H=300, outer SGD lr 1.3, ef_decay 0.8, dct 0.3, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
                                 dict(LOCAL_LEVERS, local_steps=300, sparsity=0.3, outer_lr=1.3), LOCAL_LR),
+    # issue 47, the ceiling of compression: every coefficient in fp32 (sparsity 0 is the dense mean pseudo-gradient),
+    # the outer recipe of scape_local.json otherwise
+    "local100_dense_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, every coefficient, fp32",
+                             "scape_local.json", dict(LOCAL_LEVERS, local_steps=100, sparsity=0.0, value_bits=32,
+                                                      dense_wire="fp32", index_code="int16", outer_lr=1.3), LOCAL_LR),
+    "local30_dense_olr13": ("SCAPE local steps H=30, outer SGD lr 1.3, ef_decay 0.8, every coefficient, fp32",
+                            "scape_local.json", dict(LOCAL_LEVERS, local_steps=30, sparsity=0.0, value_bits=32,
+                                                     dense_wire="fp32", index_code="int16", outer_lr=1.3), LOCAL_LR),
     "local100_tb1638_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, 1638 // D per tile, 8-bit "
                               "values, bf16 dense, Elias-Fano offsets", "scape_local.json",
                               dict(LOCAL_LEVERS, local_steps=100, sparsity=None, tile_budget=1638, outer_lr=1.3),
