@@ -72,6 +72,8 @@ def test_config_lr_override_and_method_columns():
     assert cfg["optimizer"]["params"]["lr"] == 1e-3
     assert runs.make_config("scape99_lr1e-3", 300, 16, 50, lr=6e-3)["optimizer"]["params"]["lr"] == 6e-3
     assert cfg["scheduler"]["params"]["total_num_steps"] == 300
+    assert cfg["scheduler"]["params"]["cos_min_ratio"] == 0.1  # the shared schedule; SCHEDULES by name
+    assert runs.make_config("adamw_floor0", 300, 16, 50)["scheduler"]["params"]["cos_min_ratio"] == 0.0
     methods = {n: runs.describe(n, runs.make_config(n, 10, 16, 5)) for n in ("adamw", "adams", "scape90",
                                                                                     "topk99", "randk99_lr1e-3")}
     assert {n: m["method"] for n, m in methods.items()} == {"adamw": "adamw", "adams": "adams", "scape90": "scape",
