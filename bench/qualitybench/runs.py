@@ -310,7 +310,7 @@ ZERO3 = [n for n in RUNS if n.startswith("z3")]
 UPDATE_RULES = [n for n in RUNS if n.startswith(("catchup", "drift", "wmean", "reselect"))] + ["scape995_T50"]
 GROUPS = {"comparison": COMPARISON, "sweep": SWEEP, "lr1e-3": LR_CHECK + SWEEP_LR1E3, "lr_high": LR_HIGH,
           "hier": HIER, "update_rules": UPDATE_RULES, "dct": DCT, "demos": DEMO, "local_sgd": LOCAL_SGD,
-          "local_steps": LOCAL_STEPS, "zero3": ZERO3,
+          "local_steps": LOCAL_STEPS, "zero3": ZERO3, "schedules": list(SCHEDULES),
           "all": list(RUNS)}
 
 # Settings of a run. The generic ones (GENERIC, with their short form in a run id) may differ per
