@@ -20,6 +20,10 @@ LOCAL30 = dict(local_steps=30, sparsity=0.99, outer_update="nesterov", outer_lr=
                value_bits=32, dense_wire="fp32", index_code="int16")
 LOCAL_LEVERS = dict(outer_update="nesterov", outer_lr=1.0, outer_momentum=0.0, ef_decay=0.8, value_bits=8,
                     dense_wire="bf16", index_code="elias_fano")
+# the ceiling of compression: LOCAL_LEVERS' outer recipe at lr 1.3 with every coefficient sent in fp32
+LOCAL_DENSE = dict(LOCAL_LEVERS, sparsity=0.0, value_bits=32, dense_wire="fp32", index_code="int16", outer_lr=1.3)
+# scape_dct_scale.json with 4-bit values spent on 312 // D per tile (39 at D = 8, within 2.0% of the bytes)
+Q4_B312 = dict(tile_budget=312, value_bits=4)
 # the inner lr scape_local.json carried before it moved to 4.5e-3: the local-steps rows ran at it unless --lr said
 LOCAL_LR = dict(lr=3e-3)
 RUNS: dict[str, tuple] = {
@@ -165,13 +169,12 @@ RUNS: dict[str, tuple] = {
     # issue 45 at D = 8: per-rank count was the lever there (20 -> 28 per tile: 1.084x -> 1.044x); 4-bit values
     # buy 39 per tile at D = 8 within 2.0% of the bytes (1.999%)
     "dct_scale_q4_b312": ("SCAPE dct, per-rank masks, 312 // D per tile, 4-bit values, bf16 dense tensors, "
-                          "Elias-Fano offsets", "scape_dct_scale.json", dict(tile_budget=312, value_bits=4)),
+                          "Elias-Fano offsets", "scape_dct_scale.json", Q4_B312),
     # issue 45 at D = 8: against AdamW at the same lr the sign update leads until step ~1000 and loses ground in the
     # cosine's tail, more so as D grows; is it the floor (0.1 x lr: every parameter still moves by +-3e-4 a step)?
     # Both sides annealed to 0 (SCHEDULES)
     "dct_scale_q4_b312_floor0": ("SCAPE dct, per-rank masks, 312 // D per tile, 4-bit values, bf16 dense tensors, "
-                                 "Elias-Fano offsets, cosine to 0", "scape_dct_scale.json",
-                                 dict(tile_budget=312, value_bits=4)),
+                                 "Elias-Fano offsets, cosine to 0", "scape_dct_scale.json", Q4_B312),
     "adamw_floor0": ("dense AdamW, cosine to 0", "dense_adamw.json", {}),
     # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",
@@ -217,14 +220,11 @@ RUNS: dict[str, tuple] = {
     "local300_s30_q8ef_olr13": ("SCAPE local steps H=300, outer SGD lr 1.3, ef_decay 0.8, dct 0.3, 8-bit values, "
                                 "bf16 dense, Elias-Fano offsets", "scape_local.json",
                                 dict(LOCAL_LEVERS, local_steps=300, sparsity=0.3, outer_lr=1.3), LOCAL_LR),
-    # issue 47, the ceiling of compression: every coefficient in fp32 (sparsity 0 is the dense mean pseudo-gradient),
-    # the outer recipe of scape_local.json otherwise
+    # issue 47, the ceiling of compression (LOCAL_DENSE: sparsity 0 sends the dense mean pseudo-gradient)
     "local100_dense_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, every coefficient, fp32",
-                             "scape_local.json", dict(LOCAL_LEVERS, local_steps=100, sparsity=0.0, value_bits=32,
-                                                      dense_wire="fp32", index_code="int16", outer_lr=1.3), LOCAL_LR),
+                             "scape_local.json", dict(LOCAL_DENSE, local_steps=100), LOCAL_LR),
     "local30_dense_olr13": ("SCAPE local steps H=30, outer SGD lr 1.3, ef_decay 0.8, every coefficient, fp32",
-                            "scape_local.json", dict(LOCAL_LEVERS, local_steps=30, sparsity=0.0, value_bits=32,
-                                                     dense_wire="fp32", index_code="int16", outer_lr=1.3), LOCAL_LR),
+                            "scape_local.json", dict(LOCAL_DENSE, local_steps=30), LOCAL_LR),
     "local100_tb1638_olr13": ("SCAPE local steps H=100, outer SGD lr 1.3, ef_decay 0.8, 1638 // D per tile, 8-bit "
                               "values, bf16 dense, Elias-Fano offsets", "scape_local.json",
                               dict(LOCAL_LEVERS, local_steps=100, sparsity=None, tile_budget=1638, outer_lr=1.3),
