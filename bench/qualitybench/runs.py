@@ -114,6 +114,10 @@ RUNS: dict[str, tuple] = {
     "dct90": ("SCAPE dct 0.9, per-rank masks", "scape_dct.json", dict(sparsity=0.9)),
     "dct90_shared": ("SCAPE dct 0.9, shared mask (nominated union)", "scape_dct.json",
                      dict(sparsity=0.9, mask="shared")),
+    # issue 45 item 2, the shared mask at equal bytes: bf16 values (16 bits) and bf16 dense tensors spent on 2.2x the
+    # slots of dct99_shared (kc 90: 88 slots per tile at D = 4 and 8, 90 at D = 2), 1.99-2.04% of the bytes at any D
+    "dct_shared16_s978": ("SCAPE dct 0.978, shared mask (nominated union), bf16 values, bf16 dense tensors",
+                          "scape_dct.json", dict(mask="shared", sparsity=0.978, value_bits=16, dense_wire="bf16")),
     "dct90_signum": ("SCAPE dct 0.9, per-rank masks, sign of a momentum of the decoded mean", "scape_dct.json",
                      dict(sparsity=0.9, dct_update="signum")),
     "dct99_signum": ("SCAPE dct 0.99, per-rank masks, sign of a momentum of the decoded mean", "scape_dct.json",
