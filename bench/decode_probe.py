@@ -8,7 +8,7 @@ the global batch of 2 ranks), then frozen. At that point every one of D virtual 
 batch of 16 sequences each step, as the quality bench's ranks do, and runs the default exchange's
 accumulation as ScapeAdamS does: its gradient clipped to norm 1 (``clip_local``), added to its error
 feedback in DCT coefficients (``e = 0.999 e + Q g``, 64 x 64 tiles of every weight matrix), and its
-message taken out of ``e``. Five exchanges, each with its own error feedback on every rank:
+message taken out of ``e``. Nine exchanges, each with its own error feedback on every rank:
 
 - ``per_rank`` (the default): each rank's top-kc of every tile; decoded as sum / D;
 - ``per_rank/senders``: the same messages, each coefficient divided by its number of senders;
@@ -17,7 +17,14 @@ message taken out of ``e``. Five exchanges, each with its own error feedback on 
 - ``shared/equal``: the union with per_rank's bytes (25 D per tile, 10 B a slot against 6 B);
 - ``per_rank/2%``: per_rank with kc = 160 // D per tile, which with 8-bit values and bf16 dense
   tensors (``dct_q8_bf16_k20`` at D = 8) keeps about 1.9% of the dense bytes whatever D, as the
-  union at 0.99 keeps about 2.0% (the probe sends fp32: the coding's rounding is not modelled).
+  union at 0.99 keeps about 2.0% (the probe sends fp32: the coding's rounding is not modelled);
+- ``per_rank/q4``: per_rank with kc = 312 // D, what 4-bit values buy within 2.0% of the bytes
+  (``dct_scale_q4_b312``);
+- ``shared/2%``: the union with 90 // D nominations per rank, what bf16 values and bf16 dense tensors
+  buy within 2.0% of the bytes (``dct_shared16_s978``);
+- ``shared/oracle`` and ``shared/2%/oracle``: each tile's top D (kc // D) or D (90 // D) of |sum over
+  ranks of e|, the slots of ``shared`` and ``shared/2%`` chosen as no exchange can (it needs every
+  rank's whole e): the ceiling of any better shared mask with those slots.
 
 The decoded mean u of each is compared with the gradient of the frozen model on ``--ref-batches``
 further batches, g (a stand-in for the true gradient), over the weight matrices: the sign agreement
@@ -79,8 +86,13 @@ def probe(D: int, model, weights, data, steps: int, skip: int, ref: torch.Tensor
     tiles = TileLayout.build(weights, offsets, D, TILE)
     q = dct_matrix(TILE, torch.float32)
     own = tiles.tiles_numel  # the weights' own tiles (the padding tiles to a multiple of D are not counted)
-    kinds = ["per_rank", "per_rank/senders", "shared", "shared/equal", "per_rank/2%"]
-    error = {k: torch.zeros(D, tiles.numel) for k in kinds if k != "per_rank/senders"}
+    # kind -> (how the coefficients are chosen, per rank (per_rank, union) or per tile (oracle))
+    counts = {"per_rank": ("per_rank", KC), "shared": ("union", max(1, KC // D)), "shared/equal": ("union", 25),
+              "per_rank/2%": ("per_rank", max(1, 160 // D)), "per_rank/q4": ("per_rank", max(1, 312 // D)),
+              "shared/2%": ("union", max(1, 90 // D)), "shared/oracle": ("oracle", D * max(1, KC // D)),
+              "shared/2%/oracle": ("oracle", D * max(1, 90 // D))}
+    kinds = list(counts) + ["per_rank/senders"]
+    error = {k: torch.zeros(D, tiles.numel) for k in counts}
     error["per_rank/senders"] = error["per_rank"]  # the same messages, another decode
     scores = {k: [] for k in kinds + ["dense"]}
     sent = {k: [] for k in kinds}
@@ -90,14 +102,13 @@ def probe(D: int, model, weights, data, steps: int, skip: int, ref: torch.Tensor
         for r in range(D):
             to_coefficients(tiles, grads[r], coef[r], q, torch_kernels)
         means = {}
-        for kind in ("per_rank", "shared", "shared/equal", "per_rank/2%"):
+        for kind, (how, k) in counts.items():
             e = error[kind]
             e.mul_(DECAY).add_(coef)
             total, count = torch.zeros(tiles.numel), torch.zeros(tiles.numel)
-            if kind.startswith("per_rank"):
-                kc = KC if kind == "per_rank" else max(1, 160 // D)
+            if how == "per_rank":
                 for r in range(D):
-                    idx = _top(e[r], kc)
+                    idx = _top(e[r], k)
                     total.index_add_(0, idx, e[r, idx])
                     count.index_add_(0, idx, torch.ones(idx.numel()))
                     e[r, idx] = 0.0
@@ -107,11 +118,13 @@ def probe(D: int, model, weights, data, steps: int, skip: int, ref: torch.Tensor
                     means["per_rank/senders"] = total / count.clamp(min=1)
                     sent["per_rank/senders"].append(sent["per_rank"][-1])
             else:
-                K = max(1, KC // D) if kind == "shared" else 25
-                union = torch.zeros(tiles.numel, dtype=torch.bool)
-                for r in range(D):
-                    union[_top(e[r], K)] = True
-                idx = union.nonzero().squeeze(1)
+                if how == "union":  # every rank's top k, one mask
+                    union = torch.zeros(tiles.numel, dtype=torch.bool)
+                    for r in range(D):
+                        union[_top(e[r], k)] = True
+                    idx = union.nonzero().squeeze(1)
+                else:  # "oracle": the top k of each tile of the sum
+                    idx = _top(e.sum(dim=0), k)
                 total[idx] = e[:, idx].sum(dim=0)
                 e[:, idx] = 0.0
                 means[kind] = total / D
@@ -155,10 +168,11 @@ def main(argv=None) -> int:
         r = results[D]
         print(f"D={D:2d}  sign agreement with the reference gradient, |g|-weighted: dense mean {r['dense']:.3f} | "
               f"per_rank {r['per_rank']:.3f} | per_rank/senders {r['per_rank/senders']:.3f} | "
-              f"shared {r['shared']:.3f} | shared/equal {r['shared/equal']:.3f} | per_rank/2% {r['per_rank/2%']:.3f}"
-              f"   distinct coefficients per tile: per_rank {r['coefficients_per_tile/per_rank']:.0f}, shared "
-              f"{r['coefficients_per_tile/shared']:.0f}, shared/equal {r['coefficients_per_tile/shared/equal']:.0f}, "
-              f"per_rank/2% {r['coefficients_per_tile/per_rank/2%']:.0f}", flush=True)
+              + " | ".join(f"{k} {r[k]:.3f}" for k in r if k not in ("dense", "per_rank", "per_rank/senders")
+                           and not k.startswith("coefficients"))
+              + "   distinct coefficients per tile: "
+              + ", ".join(f"{k[len('coefficients_per_tile/'):]} {v:.0f}" for k, v in r.items()
+                          if k.startswith("coefficients") and not k.endswith("senders")), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
