@@ -215,10 +215,17 @@ class ScapeConfig(BaseModel):
     with its offset instead of 10. With ``mask="per_rank"``: 32: fp32. 8 or
     4: each tile's kc values scaled by their absmax to signed integers (+-127, +-7), one fp32 scale per
     tile, in one uint8 all-gather; what the rounding loses stays in the error feedback (sent + kept ==
-    accumulated, with the decoded value as what was sent). Bytes per sent coefficient, its 16-bit offset
-    included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4 (scape_ds/exchange/quantize.py). On the
-    bench at 2 ranks 8-bit values kept the default's loss (0.999x at 1.57% of the bytes); 4 bits and
-    the bf16 union are not measured there (bench/RESULTS.md)."""
+    accumulated, with the decoded value as what was sent). 8 or 4 with ``mask="shared"``: each rank codes
+    the slots' values so per tile, an all-to-all takes each tile's D codes to its owner, which adds them
+    and codes the sum again for the all-gather; each rank keeps what its coding lost, the owner also what
+    the sum's lost (sent + kept == accumulated over the ranks together): about 4 bytes a slot with its
+    offset at 8 bits and 3 at 4, against 6 at 16 (each times (D-1)/D, plus an fp32 scale per tile and
+    leg; the tiles split evenly over the ranks; ``hierarchy "flat"``). per_rank's bytes per sent
+    coefficient, its 16-bit offset included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4
+    (scape_ds/exchange/quantize.py). On the bench at 2 ranks 8-bit values kept the default's loss (0.999x
+    at 1.57% of the bytes); at 8 ranks the bf16 union with 88 slots per tile (sparsity 0.978, bf16 dense
+    tensors) reached 1.030x dense AdamW's best at 1.99%, per_rank with 4 bits 1.0365x at 2.00%
+    (bench/RESULTS.md, "sixth session")."""
 
     tile_budget: int | None = None
     """``basis="dct"``, ``mask="per_rank"``: the coefficients per tile all the ranks of the exchange send
@@ -431,12 +438,15 @@ class ScapeConfig(BaseModel):
                 raise ValueError("mask_source 'momentum' is built for hierarchy 'flat' (its owners' first moment "
                                  "lives on the flat shards); use mask_source 'union' or 'owner' with hierarchy 'node'")
         if self.value_bits != 32:
-            mask = "shared" if self.value_bits == 16 else "per_rank"
-            settings = dict(basis=(self.basis, "dct"), mask=(self.mask, mask), overlap=(self.overlap, False))
+            settings = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False))
+            if self.value_bits == 16:
+                settings["mask"] = (self.mask, "shared")
+            elif self.mask == "shared":  # the coded union's all-to-all is built for the flat group
+                settings["hierarchy"] = (self.hierarchy, "flat")
             bad = _unmet(settings)
             if bad:
-                what = ("sends the values of basis 'dct''s shared-mask exchange as bf16" if mask == "shared"
-                        else "codes the values of basis 'dct''s per-rank exchange")
+                what = ("sends the values of basis 'dct''s shared-mask exchange as bf16" if self.value_bits == 16
+                        else "codes the values of basis 'dct''s exchange")
                 raise ValueError(f"value_bits {self.value_bits} {what}: " + ", ".join(bad))
         if self.tile_budget is not None:
             if self.tile_budget < 1:

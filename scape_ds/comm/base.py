@@ -43,6 +43,9 @@ class Communicator(Protocol):
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
         """``out`` (n,) = sum over ranks of segment ``rank`` of ``inp`` (D*n,)."""
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        """``out`` (D*n,): segment r is segment ``rank`` of rank r's ``inp`` (D*n,) (no reduction)."""
+
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         """In-place sum over ranks; every rank ends with the same bits."""
 

@@ -151,6 +151,16 @@ class MPICommunicator:
         if staged:
             out.copy_(h_out)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        assert out.numel() == inp.numel() and inp.numel() % self.world_size == 0, (out.shape, inp.shape)
+        self.meter.record(tag, collective_bytes("all_to_all", self._nbytes(inp), self.world_size))
+        self._ready(inp)
+        h_in, _ = self._host(inp)
+        h_out, staged = self._host(out)
+        self.comm.Alltoall(self._buf(h_in), self._buf(h_out))
+        if staged:
+            out.copy_(h_out)
+
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         self.meter.record(tag, collective_bytes("all_reduce", self._nbytes(tensor), self.world_size))
         h, staged = self._host(tensor)

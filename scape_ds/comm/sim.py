@@ -62,6 +62,10 @@ class SimulatedCommunicator:
         self._count("reduce_scatter", inp, tag)
         out.copy_(inp.view(self.world_size, -1)[self.rank]).mul_(self.world_size)  # (n,) D equal terms
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        self._count("all_to_all", inp, tag)
+        out.view(self.world_size, -1).copy_(inp.view(self.world_size, -1)[self.rank].clone())  # D equal parts
+
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         self._count("all_reduce", tensor, tag)
         tensor.mul_(self.world_size)

@@ -71,6 +71,12 @@ class TorchCommunicator:
         self.meter.record(tag, collective_bytes("reduce_scatter", self._nbytes(inp), self.world_size))
         _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=self.group)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, tag: str) -> None:
+        assert out.numel() == inp.numel() and inp.numel() % self.world_size == 0, (out.shape, inp.shape)
+        self._check(tag, out, inp)
+        self.meter.record(tag, collective_bytes("all_to_all", self._nbytes(inp), self.world_size))
+        dist.all_to_all_single(out, inp, group=self.group)
+
     def all_reduce(self, tensor: torch.Tensor, tag: str) -> None:
         self._check(tag, tensor)
         self.meter.record(tag, collective_bytes("all_reduce", self._nbytes(tensor), self.world_size))

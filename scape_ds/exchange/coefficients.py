@@ -12,7 +12,9 @@ has the tiles):
      - ``mask="shared"`` (the nominated union): rank r nominates its top max(1, kc // D) of each tile,
        the offsets are all-gathered, and the union of every rank's nominations is the mask for every
        rank; the values travel packed (D * (kc // D) slots per tile, a repeated offset counted once
-       and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D.
+       and sent as 0) in a reduce-scatter and an all-gather: O(k) per rank whatever D (``value_bits``
+       8 or 4: coded per tile in an all-to-all to each tile's owner, which sums them and codes the sum
+       for the all-gather).
        ``mask_source="owner"``: the owner of each tile alone chooses its top kc from its own ``e_r``
        and the offsets are all-gathered; then the same reduce-scatter and all-gather of values.
        ``mask_source="momentum"`` (SCAPE's own source, in coefficients): each tile's owner keeps a
@@ -139,6 +141,35 @@ def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Te
                       for part in every.view(comm.world_size, -1)]).to(values.dtype)
 
 
+def _reduce_coded(comm: Communicator, error: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                  slots: int, bits: int) -> torch.Tensor:
+    """``value_bits`` 8 or 4 with mask "shared": the sum over ranks of ``values`` ((n_chunks slots,) fp32 at
+    the chunk-major ``index``, this rank's part; a repeated slot holds 0), coded per tile. Each rank codes
+    each owner's block of tiles and keeps what its coding lost in ``error`` (emptied at ``index``); an
+    all-to-all brings every owner the D codes of its block, which it decodes and adds in rank order,
+    codes the sum and keeps what that coding lost in its own ``error``; an all-gather of the coded sums
+    gives every rank the same (n_chunks slots,) fp32 sums. Sent + kept == accumulated over the ranks
+    together: what the sum's coding loses is sent later by its owner."""
+    D = comm.world_size
+    blocks = values.view(D, -1)  # (D, n_chunks / D * slots): owner r's tiles in row r
+    n = blocks.shape[1]
+    payload = torch.cat([encode_values(b, slots, bits) for b in blocks])  # (D L,) uint8, owner-major
+    L = payload.numel() // D
+    sent = torch.cat([decode_values(p, n, slots, bits) for p in payload.view(D, L)]).to(values.dtype)
+    error.index_add_(0, index, values - sent)  # a repeated slot adds 0 (a tile of zeros codes to 0)
+    received = torch.empty_like(payload)  # (D L,): every rank's codes of this rank's block
+    comm.all_to_all(received, payload, "grad_a2a")
+    total = torch.zeros(n, dtype=values.dtype, device=values.device)
+    for part in received.view(D, L):  # in rank order: the same sum on every owner for the same codes
+        total += decode_values(part, n, slots, bits).to(values.dtype)
+    coded = encode_values(total, slots, bits)  # (L,) uint8
+    mine = index.view(D, -1)[comm.rank]  # (n,) this owner's slots
+    error.index_add_(0, mine, total - decode_values(coded, n, slots, bits).to(values.dtype))
+    every = torch.empty_like(payload)  # (D L,) every owner's coded sums
+    comm.all_gather(every, coded, "grad_ag")
+    return torch.cat([decode_values(p, n, slots, bits) for p in every.view(D, L)]).to(values.dtype)
+
+
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
                    uses: int) -> HeldMask:
     """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
@@ -216,7 +247,9 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     mean returned.
 
     ``value_bits`` 8 or 4 (mask "per_rank"): the values travel coded per tile
-    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``. 16 (mask "shared"):
+    (:mod:`scape_ds.exchange.quantize`); what the coding loses stays in ``error``. 8 or 4 with mask
+    "shared": coded per tile, an all-to-all to each tile's owner, which sums and codes the sum for the
+    all-gather (:func:`_reduce_coded`); what either coding loses stays in an ``error``. 16 (mask "shared"):
     the slots' values are reduce-scattered and all-gathered as bf16; what rounding this rank's values
     lost stays in ``error`` (the bf16 sums' own rounding is not fed back). ``decode`` "senders"
     (mask "per_rank"): each coefficient's sum is divided by the number of ranks that sent it, not by D.
@@ -269,13 +302,19 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             if now.repeated is not None:
                 values.masked_fill_(now.repeated, 0.0)
         error.index_fill_(0, index, 0.0)
-        if value_bits == 16:  # bf16 on the wire: this rank keeps what rounding its values lost
-            wire = values.to(torch.bfloat16)  # (slots,)
-            error.index_add_(0, index, values - wire.to(values.dtype))  # a repeated slot adds 0
-            values = wire
-        owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
-        comm.reduce_scatter(owned, values, "grad_rs")
-        comm.all_gather(values, owned, "grad_ag")  # every shard's sums, the same bits on every rank
+        if value_bits in (8, 4):  # coded per tile, summed at each tile's owner
+            if tiles.n_chunks % D:
+                raise ValueError(f"value_bits {value_bits} with mask 'shared' needs whole tiles per owner: "
+                                 f"{tiles.n_chunks} tiles over {D} ranks")
+            values = _reduce_coded(comm, error, index, values, values.numel() // tiles.n_chunks, value_bits)
+        else:
+            if value_bits == 16:  # bf16 on the wire: this rank keeps what rounding its values lost
+                wire = values.to(torch.bfloat16)  # (slots,)
+                error.index_add_(0, index, values - wire.to(values.dtype))  # a repeated slot adds 0
+                values = wire
+            owned = torch.empty(values.numel() // D, dtype=values.dtype, device=values.device)  # this shard's slots
+            comm.reduce_scatter(owned, values, "grad_rs")
+            comm.all_gather(values, owned, "grad_ag")  # every shard's sums, the same bits on every rank
         mean.index_add_(0, index, values.to(mean.dtype))  # a repeated slot adds 0
     else:
         raise ValueError(f"scape.mask must be 'per_rank' or 'shared', got {mask!r}")

@@ -1,4 +1,4 @@
-"""Coefficient values on the wire in 8 or 4 bits (``scape.value_bits``, basis "dct", mask "per_rank").
+"""Coefficient values on the wire in 8 or 4 bits (``scape.value_bits``, basis "dct"; per_rank, and the shared mask).
 
 Each tile's kc sent values are scaled by their largest magnitude (absmax) to signed integers,
 q = round(v / s), s = absmax / qmax (qmax = 127 at 8 bits, 7 at 4), and travel as one byte (8 bits)

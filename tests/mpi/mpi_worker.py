@@ -107,11 +107,14 @@ def case_overlap() -> dict:
 
 
 def case_dct() -> dict:
-    """basis "dct" over MPI against the torch backend, both masks, and per_rank with scape.overlap over
-    MPI (Iallgather per bucket) against the torch backend without it: the same parameters and bytes."""
+    """basis "dct" over MPI against the torch backend, both masks, the shared mask's 8-bit values (an
+    all-to-all), and per_rank with scape.overlap over MPI (Iallgather per bucket) against the torch
+    backend without it: the same parameters and bytes."""
     out = {}
-    for mask in ("per_rank", "shared", "per_rank_overlap"):
-        scape = dict(basis="dct", mask=mask.removesuffix("_overlap"), sparsity=0.9, clip_local=1.0, ef_decay=0.999)
+    for mask in ("per_rank", "shared", "shared_q8", "per_rank_overlap"):
+        scape = dict(basis="dct", mask="shared" if mask.startswith("shared") else "per_rank", sparsity=0.9,
+                     clip_local=1.0, ef_decay=0.999)
+        scape.update(dict(value_bits=8) if mask == "shared_q8" else {})
         overlap = dict(overlap=True, bucket_mb=8192 * 4 / 2**20) if mask.endswith("_overlap") else {}
         model_mpi, bytes_mpi, eq_mpi = _train("mpi", dict(scape, **overlap), 8)  # two buckets of one weight
         model_torch, bytes_torch, _ = _train("torch", scape, 8)

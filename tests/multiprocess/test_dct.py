@@ -39,6 +39,10 @@ class RecordingCommunicator(TorchCommunicator):
         if tag in ("grad_ag", "index_ag"):
             self.log.append((tag, inp.detach().clone(), out.detach().clone()))
 
+    def all_to_all(self, out, inp, tag):
+        super().all_to_all(out, inp, tag)
+        self.log.append((tag, inp.detach().clone(), out.detach().clone()))
+
     def reduce_scatter(self, out, inp, tag):
         if tag == "grad_rs":
             self.log.append((tag, inp.detach().clone(), None))

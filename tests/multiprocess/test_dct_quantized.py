@@ -1,4 +1,4 @@
-"""``scape.value_bits`` 8 and 4 (basis "dct", per_rank) on 2 and 4 gloo ranks.
+"""``scape.value_bits`` 8 and 4 (basis "dct", per_rank and the shared mask) and 16 (shared) on 2-8 gloo ranks.
 
 The oracles are computed here: Q g in fp64 (``_logged_step``), and what each rank sent decoded from the
 bytes its communicator moved by a plain loop over the payload (codes, then little-endian fp32 scales),
@@ -203,6 +203,70 @@ def test_shared_mask_bf16_values_keep_their_rounding_and_cost_six_bytes_a_slot(t
                                "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]
 
 
+def _worker_shared_coded(rank, world_size, tmp_path, bits, steps):
+    from scape_ds.exchange.basis import dct_matrix, to_coefficients
+    from scape_ds.kernels import torch_kernels
+
+    from .models import loss_fn, make_batch
+
+    model = make_mlp(seed=3)
+    comm = RecordingCommunicator()
+    opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
+                     scape=dict(SCAPE, mask="shared", value_bits=bits))
+    sparse = [p for p in model.parameters() if p.dim() == 2]
+    D, K = world_size, max(1, opt.cfg.k_per_chunk // world_size)
+    produced = applied = None
+    worst, mismatches, stats = 0.0, 0, []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, *make_batch(step, rank)).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+        opt.step()
+        gs = opt._groups[0]
+        n_chunks = gs.tiles.numel // C
+        if produced is None:
+            produced = torch.zeros(gs.tiles.numel, dtype=torch.float64)
+            applied = torch.zeros(gs.tiles.numel, dtype=torch.float64)
+        to_coefficients(gs.tiles, grads, produced, dct_matrix(16, torch.float64), torch_kernels, decay=1.0)
+        log = {tag: (inp, out) for tag, inp, out in comm.log}
+        comm.log.clear()
+        # the slots: chunk, then rank, then nomination; the sums: every owner's block of tiles decoded by a loop
+        noms = _offsets_of(log["index_ag"][1]).view(D, n_chunks, K)
+        every = log["grad_ag"][1].view(D, -1)  # (D, L) each owner's coded sums
+        per_owner = n_chunks // D * D * K
+        sums = [v for part in every for v in _decode_by_loop(part, per_owner, D * K, bits)]
+        for c in range(n_chunks):
+            for j in range(D * K):
+                applied[c * C + int(noms[j // K, c, j % K])] += sums[c * D * K + j]  # a repeated slot: 0
+        # over the ranks together, accumulated - kept == what every rank applied, the sums' codes included
+        moved = produced - opt.error_feedback().double()
+        dist.all_reduce(moved)
+        worst = max(worst, float((moved - applied).abs().max()))
+        stats.append(dict(opt.comm_stats))
+        params = flat_params(model)
+        every_params = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(every_params, params)
+        mismatches += sum(not torch.equal(params, p) for p in every_params)
+    return dict(worst=worst, mismatches=mismatches, stats=stats, K=K, n_chunks=n_chunks,
+                dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
+
+
+@pytest.mark.parametrize("bits,world_size", [(8, 2), (4, 4), (8, 8)])
+def test_shared_mask_coded_values_lose_nothing_over_the_ranks(tmp_path, bits, world_size):
+    results = run_ranks(_worker_shared_coded, world_size, tmp_path, bits, 5)
+    for r in results:
+        assert r["mismatches"] == 0, "replicas differ"
+        # what the ranks' codes and the owners' codes of the sums lost is all in the error feedback
+        assert r["worst"] <= 1e-5 * r["scale"], (r["worst"], r["scale"])
+    r, D = results[0], world_size
+    n = r["n_chunks"] // D * D * r["K"]  # the values of one owner's block of tiles
+    payload = (n if bits == 8 else (n + 1) // 2) + 4 * (r["n_chunks"] // D)  # codes, then one fp32 scale a tile
+    for s in r["stats"]:
+        assert s["by_tag"] == {"index_ag": (D - 1) * r["n_chunks"] * r["K"] * 2,
+                               "grad_a2a": (D - 1) * payload, "grad_ag": (D - 1) * payload,
+                               "dense_ar": collective_bytes("all_reduce", r["dense"] * 4, D)}, s["by_tag"]
+
+
 def _worker_coded_resume(rank, world_size, tmp_path, extra):
     import copy
 
@@ -232,6 +296,7 @@ def _worker_coded_resume(rank, world_size, tmp_path, extra):
     pytest.param(dict(value_bits=8, dense_wire="bf16"), 8, id="q8-bf16-8ranks"),
     pytest.param(dict(mask="shared", value_bits=16, dense_wire="bf16"), 8, id="shared-bf16-8ranks"),
     pytest.param(dict(value_bits=8, dense_wire="bf16"), 4, id="q8-bf16-4ranks"),
+    pytest.param(dict(mask="shared", value_bits=4), 4, id="shared-q4-4ranks"),
     pytest.param(dict(decode="senders"), 4, id="senders-4ranks")])
 def test_coded_exchanges_resume_exactly(tmp_path, extra, world_size):
     # what the coding kept (error feedback, dense_error) is all a resume needs: bit for bit

@@ -130,8 +130,9 @@ def _worker_sparse(rank, world_size, tmp_path, steps, exchange, bf16, scape):
     ("dense", False, {}), ("sparse_replica", False, dict(dct_update="rms")), ("dense", True, dict(mask="shared")),
     ("sparse_replica", False, dict(value_bits=8)), ("dense", False, dict(tile_budget=8)),
     ("dense", False, dict(tile_budget=8, index_code="elias_fano")),
+    ("sparse_replica", False, dict(mask="shared", value_bits=8)),
 ], ids=["dense", "sparse_replica-rms", "dense-bf16-shared", "sparse_replica-8bit", "tile_budget-8",
-        "tile_budget-8-elias_fano"])
+        "tile_budget-8-elias_fano", "sparse_replica-shared-8bit"])
 def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16, scape):
     results = run_ranks(_worker_sparse, 2, tmp_path, 10, exchange, bf16, scape)
     for r in results:
@@ -154,7 +155,10 @@ def test_sparse_replicas_bitwise_equal_and_match_stage1(tmp_path, exchange, bf16
         # tile_budget 8: 8 // D = 4, set by the number of ranks under ZeRO-3 and stage 1 alike)
         kc = scape["tile_budget"] // 2 if "tile_budget" in scape else 3
         assert r["kc"] == kc  # what the engine's optimizer reports is what its exchange runs
-        if scape.get("mask") == "shared":  # K = kc // D = 1 nomination per tile and rank
+        if scape.get("mask") == "shared" and scape.get("value_bits") == 8:  # 2 slots a tile; each owner's 32
+            # tiles: 64 one-byte codes and 32 fp32 scales, to the other rank in the all-to-all and again summed
+            exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_a2a": 64 + 32 * 4, "grad_ag": 64 + 32 * 4}
+        elif scape.get("mask") == "shared":  # K = kc // D = 1 nomination per tile and rank
             exchange_bytes = {"index_ag": 64 * 1 * 2, "grad_rs": 64 * 2 * 4 // 2, "grad_ag": 64 * 1 * 4}
         elif scape.get("value_bits") == 8:  # per_rank, each value one byte plus one fp32 scale per tile
             exchange_bytes = {"grad_ag": 64 * 3 * 1 + 64 * 4, "index_ag": 64 * 3 * 2}

@@ -161,12 +161,14 @@ def test_coded_values_round_within_half_a_step_and_keep_zero_tiles(bits, qmax):
         assert torch.isclose(decoded[i], values[i], rtol=1e-6)
 
 
-def test_value_bits_is_for_the_per_rank_dct_exchange():
+def test_value_bits_is_for_the_dct_exchange():
     assert parse_scape_config(dict(basis="dct", value_bits=8)).value_bits == 8
-    with pytest.raises(ValueError, match="value_bits 8 codes the values of basis 'dct''s per-rank exchange: basis"):
+    with pytest.raises(ValueError, match="value_bits 8 codes the values of basis 'dct''s exchange: basis"):
         parse_scape_config(dict(value_bits=8))
-    with pytest.raises(ValueError, match="mask 'shared' \\(needs 'per_rank'\\)"):
-        parse_scape_config(dict(basis="dct", mask="shared", value_bits=4))
+    assert parse_scape_config(dict(basis="dct", mask="shared", value_bits=4)).value_bits == 4  # coded union
+    with pytest.raises(ValueError, match="value_bits 4 codes the values of basis 'dct''s exchange: hierarchy 'node' "
+                                         "\\(needs 'flat'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", value_bits=4, hierarchy="node"))
     with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
         parse_scape_config(dict(basis="dct", overlap=True, value_bits=8))
     with pytest.raises(ValueError, match="scape.value_bits"):

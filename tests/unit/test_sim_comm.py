@@ -25,12 +25,16 @@ def test_collectives_compute_the_identical_ranks_answer_and_meter_exact_bytes():
     assert torch.equal(t, D * x)
     comm.broadcast(x, 0, "bc")
     comm.barrier()
+    a2a = torch.empty(D * 3)
+    comm.all_to_all(a2a, torch.arange(D * 3, dtype=torch.float32), "a2a")
+    assert torch.equal(a2a, torch.tensor([3.0, 4.0, 5.0]).repeat(D))  # segment 1 of each of D equal ranks
 
     # by hand, for D = 4 ranks and 6 fp32 values (24 bytes) per rank (ring algorithms):
     # all-gather: its 24 bytes to each of the 3 others = 72; reduce-scatter of 12 values (48 bytes):
     # 3 of its 4 segments of 12 bytes = 36; all-reduce of 24 bytes: reduce-scatter + all-gather of
     # 3/4 of it each = 2 * 18 = 36; broadcast: only the root sends (the 24 bytes)
-    assert dict(comm.meter.total) == {"ag": 72, "rs": 36, "ar": 36, "bc": 0}  # rank 1 is no root
+    # all-to-all of 12 values: 3 of its 4 segments of 12 bytes = 36
+    assert dict(comm.meter.total) == {"ag": 72, "rs": 36, "ar": 36, "bc": 0, "a2a": 36}  # rank 1 is no root
     root = SimulatedCommunicator(D, rank=0)
     root.broadcast(x, 0, "bc")
     assert root.meter.total["bc"] == 24
