@@ -151,11 +151,28 @@ def test_coded_values_with_fp64_parameters(tmp_path):
     assert run_ranks(_worker_fp64, 2, tmp_path, 8) == [True, True]
 
 
+def _step_and_grads(model, opt, sparse, step, rank) -> torch.Tensor:
+    """One optimizer step on this rank's batch; the gradient of the ``sparse`` weights it took, (N,) fp64."""
+    from .models import loss_fn, make_batch
+
+    opt.zero_grad()
+    loss_fn(model, *make_batch(step, rank)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
+    opt.step()
+    return grads
+
+
+def _differing_replicas(model, world_size) -> int:
+    """How many ranks' parameters differ from this rank's."""
+    params = flat_params(model)
+    every = [torch.empty_like(params) for _ in range(world_size)]
+    dist.all_gather(every, params)
+    return sum(not torch.equal(params, p) for p in every)
+
+
 def _worker_shared_bf16(rank, world_size, tmp_path, steps):
     from scape_ds.exchange.basis import dct_matrix, to_coefficients
     from scape_ds.kernels import torch_kernels
-
-    from .models import loss_fn, make_batch
 
     model = make_mlp(seed=3)
     comm = RecordingCommunicator()
@@ -165,10 +182,7 @@ def _worker_shared_bf16(rank, world_size, tmp_path, steps):
     produced = sent = None
     worst, mismatches, stats, wire_dtypes = 0.0, 0, [], set()
     for step in range(steps):
-        opt.zero_grad()
-        loss_fn(model, *make_batch(step, rank)).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
-        opt.step()
+        grads = _step_and_grads(model, opt, sparse, step, rank)
         gs = opt._groups[0]
         if produced is None:
             produced, sent = torch.zeros(gs.tiles.numel, dtype=torch.float64), torch.zeros(gs.tiles.numel,
@@ -178,10 +192,7 @@ def _worker_shared_bf16(rank, world_size, tmp_path, steps):
         sent += _sent_this_step(comm, "shared", gs.tiles.numel, world_size, opt.cfg.k_per_chunk)  # the bf16 values
         worst = max(worst, float((sent + opt.error_feedback().double() - produced).abs().max()))
         stats.append(dict(opt.comm_stats))
-        params = flat_params(model)
-        every = [torch.empty_like(params) for _ in range(world_size)]
-        dist.all_gather(every, params)
-        mismatches += sum(not torch.equal(params, p) for p in every)
+        mismatches += _differing_replicas(model, world_size)
     return dict(worst=worst, mismatches=mismatches, stats=stats, wire=wire_dtypes, kc=opt.cfg.k_per_chunk,
                 numel=gs.tiles.numel, dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
 
@@ -207,8 +218,6 @@ def _worker_shared_coded(rank, world_size, tmp_path, bits, steps):
     from scape_ds.exchange.basis import dct_matrix, to_coefficients
     from scape_ds.kernels import torch_kernels
 
-    from .models import loss_fn, make_batch
-
     model = make_mlp(seed=3)
     comm = RecordingCommunicator()
     opt = ScapeAdamS(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm,
@@ -218,10 +227,7 @@ def _worker_shared_coded(rank, world_size, tmp_path, bits, steps):
     produced = applied = None
     worst, mismatches, stats = 0.0, 0, []
     for step in range(steps):
-        opt.zero_grad()
-        loss_fn(model, *make_batch(step, rank)).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in sparse]).double()
-        opt.step()
+        grads = _step_and_grads(model, opt, sparse, step, rank)
         gs = opt._groups[0]
         n_chunks = gs.tiles.numel // C
         if produced is None:
@@ -243,10 +249,7 @@ def _worker_shared_coded(rank, world_size, tmp_path, bits, steps):
         dist.all_reduce(moved)
         worst = max(worst, float((moved - applied).abs().max()))
         stats.append(dict(opt.comm_stats))
-        params = flat_params(model)
-        every_params = [torch.empty_like(params) for _ in range(world_size)]
-        dist.all_gather(every_params, params)
-        mismatches += sum(not torch.equal(params, p) for p in every_params)
+        mismatches += _differing_replicas(model, world_size)
     return dict(worst=worst, mismatches=mismatches, stats=stats, K=K, n_chunks=n_chunks,
                 dense=sum(p.numel() for p in gs.dense_params), scale=float(produced.abs().max()))
 
