@@ -245,7 +245,8 @@ class ScapeConfig(BaseModel):
     (docs/design.md "Transform basis")."""
 
     index_code: Literal["int16", "elias_fano"] = "int16"
-    """``basis="dct"``, ``mask="per_rank"``: how a rank's in-tile offsets travel. ``int16``: 2 bytes
+    """``basis="dct"``: how a rank's in-tile offsets travel (per_rank's, and the shared mask's
+    nominations or owners' choices; not with ``mask_source "momentum"``). ``int16``: 2 bytes
     each. ``elias_fano``: each tile's kc ascending offsets in Elias-Fano code, kc l low bits and a
     bitmap of kc + (C >> l) bits, l = floor(log2(C / kc)), the same length for every tile so the
     ranks' codes go in one uint8 all-gather (:mod:`scape_ds.exchange.index_code`). Lossless: a run
@@ -459,9 +460,13 @@ class ScapeConfig(BaseModel):
                 raise ValueError(f"tile_budget {self.tile_budget} sets basis 'dct''s per-rank sparsity by the "
                                  f"number of ranks: " + ", ".join(bad))
         per_rank_only = dict(basis=(self.basis, "dct"), mask=(self.mask, "per_rank"), overlap=(self.overlap, False))
-        for name, default, what in (("index_code", "int16", "codes the offsets of basis 'dct''s per-rank exchange"),
-                                    ("decode", "ranks", "averages basis 'dct''s per-rank messages over their senders")):
-            bad = _unmet(per_rank_only) if getattr(self, name) != default else []
+        offsets_coded = dict(basis=(self.basis, "dct"), overlap=(self.overlap, False))
+        if self.mask_source == "momentum":  # its masks are chosen after the step, their offsets as int16
+            offsets_coded["mask_source"] = (self.mask_source, "union")
+        for name, default, what, needs in (
+                ("index_code", "int16", "codes the offsets of basis 'dct''s exchange", offsets_coded),
+                ("decode", "ranks", "averages basis 'dct''s per-rank messages over their senders", per_rank_only)):
+            bad = _unmet(needs) if getattr(self, name) != default else []
             if bad:
                 raise ValueError(f"{name} {getattr(self, name)!r} {what}: " + ", ".join(bad))
         if self.comm_backend == "mpi" and (self.value_bits == 16 or self.dense_wire == "bf16"):

@@ -171,24 +171,25 @@ def _reduce_coded(comm: Communicator, error: torch.Tensor, index: torch.Tensor, 
 
 
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
-                   uses: int) -> HeldMask:
+                   uses: int, index_code: str = "int16") -> HeldMask:
     """Each owner's top kc of ``|scores|`` ((S,), its own shard of coefficients) per tile, offsets
-    all-gathered: one shared mask, kc slots per tile."""
+    all-gathered (:func:`all_gather_offsets`): one shared mask, kc slots per tile."""
     chosen = kernels.chunk_topk(scores, chunk_size, k_per_chunk)  # (S/C kc,) int16
-    all_chosen = all_gather_int16(comm, chosen, "index_ag")  # (n_chunks kc,) rank-major, so chunk-major
+    all_chosen = all_gather_offsets(comm, chosen, chunk_size, k_per_chunk, index_code)  # rank-major, so chunk-major
     return HeldMask(offsets_to_index(all_chosen, chunk_size, k_per_chunk), None, uses)  # (n_chunks kc,) int64
 
 
 def _choose_shared(comm: Communicator, kernels, tiles: TileLayout, error: torch.Tensor, k_per_chunk: int,
-                   mask_source: str, uses: int) -> HeldMask:
-    """The one shared mask from this rank's ``error`` as it is now (its offsets all-gathered)."""
+                   mask_source: str, uses: int, index_code: str = "int16") -> HeldMask:
+    """The one shared mask from this rank's ``error`` as it is now (its offsets all-gathered, as
+    ``index_code`` says)."""
     C, D, n_chunks = tiles.chunk_size, comm.world_size, tiles.n_chunks
     if mask_source == "owner":  # each tile's owner chooses from its own accumulator
         own = error[comm.rank * tiles.shard_numel : (comm.rank + 1) * tiles.shard_numel]  # (S,) view
-        return _owners_choice(comm, kernels, C, own, k_per_chunk, uses)
+        return _owners_choice(comm, kernels, C, own, k_per_chunk, uses, index_code)
     K = max(1, k_per_chunk // D)
-    nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16
-    all_nominated = all_gather_int16(comm, nominated, "index_ag")  # (D n_chunks K,) int16
+    nominated = kernels.chunk_topk(error, C, K)  # (n_chunks K,) int16, ascending in each tile
+    all_nominated = all_gather_offsets(comm, nominated, C, K, index_code)  # (D n_chunks K,) int16
     index, repeated = union_slots(all_nominated, n_chunks, D, K, C)  # (n_chunks, D K)
     return HeldMask(index.view(-1), repeated.view(-1), uses)  # chunk-major, so shard-major
 
@@ -253,8 +254,8 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
     the slots' values are reduce-scattered and all-gathered as bf16; what rounding this rank's values
     lost stays in ``error`` (the bf16 sums' own rounding is not fed back). ``decode`` "senders"
     (mask "per_rank"): each coefficient's sum is divided by the number of ranks that sent it, not by D.
-    ``index_code`` "elias_fano" (mask "per_rank"): the offsets travel Elias-Fano coded
-    (:func:`all_gather_offsets`); the same offsets arrive, in fewer bytes.
+    ``index_code`` "elias_fano": the offsets (per_rank's, or the shared mask's nominations or owners'
+    choices) travel Elias-Fano coded (:func:`all_gather_offsets`); the same offsets arrive, in fewer bytes.
     """
     node = node or FlatStage()
     tiles_all, tiles = tiles, node.coefficient_layout(tiles)  # the whole buffer, and what comm exchanges
@@ -290,10 +291,11 @@ def exchange_dct(comm: Communicator, kernels, tiles: TileLayout, error: torch.Te
             if fresh and mask_source == "momentum":
                 raise RuntimeError("mask_source 'momentum': a sparse step without the mask chosen after the "
                                    "last one")
-            now = _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold) if fresh else held
+            choose = (comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold, index_code)
+            now = _choose_shared(*choose) if fresh else held
             if mask_early and now.uses_left == 1:  # the next mask, from e before this step's send
                 keep = (HeldMask(now.index, now.repeated, mask_hold) if fresh  # chosen from this same e
-                        else _choose_shared(comm, kernels, tiles, error, k_per_chunk, mask_source, mask_hold))
+                        else _choose_shared(*choose))
             now.uses_left -= 1
             if keep is None and now.uses_left > 0:
                 keep = now

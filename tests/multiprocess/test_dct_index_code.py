@@ -1,4 +1,4 @@
-"""``scape.index_code "elias_fano"`` (basis "dct", per_rank) on 2 and 4 gloo ranks.
+"""``scape.index_code "elias_fano"`` (basis "dct", per_rank and the shared mask) on 2 and 4 gloo ranks.
 
 Each worker trains two copies of one model side by side, one sending int16 offsets and one Elias-Fano
 coded offsets; the oracles are computed here: the coded payload decoded by a plain loop over its bits
@@ -54,7 +54,9 @@ def _worker(rank, world_size, tmp_path, extra, steps):
     plain = ScapeAdamS(plain_model.parameters(), lr=1e-2, weight_decay=0.1, comm=plain_comm, scape=scape)
     coded = ScapeAdamS(coded_model.parameters(), lr=1e-2, weight_decay=0.1, comm=coded_comm,
                        scape=dict(scape, index_code="elias_fano"))
-    kc = coded.cfg.k_per_chunk
+    kc = coded.cfg.k_per_chunk  # per_rank: offsets a tile and rank; shared: the nominations (kc // D) or
+    if coded.cfg.mask == "shared":  # the owner's choices (kc)
+        kc = kc if coded.cfg.mask_source == "owner" else max(1, kc // world_size)
     unequal, offsets_differ, mismatches, stats = 0, 0, 0, []
     for step in range(steps):
         for model, opt, comm in ((plain_model, plain, plain_comm), (coded_model, coded, coded_comm)):
@@ -72,14 +74,19 @@ def _worker(rank, world_size, tmp_path, extra, steps):
         every = [torch.empty_like(params) for _ in range(world_size)]
         dist.all_gather(every, params)
         mismatches += sum(not torch.equal(params, p) for p in every)
+    n_chunks = coded._groups[0].tiles.numel // C  # the tiles whose offsets this rank sends (an owner: its own)
+    if coded.cfg.mask_source == "owner":
+        n_chunks //= world_size
     return dict(unequal=unequal, offsets_differ=offsets_differ, mismatches=mismatches, stats=stats, kc=kc,
-                n_chunks=coded._groups[0].tiles.numel // C)
+                n_chunks=n_chunks)
 
 
 @pytest.mark.parametrize("extra,world_size", [
     pytest.param({}, 2, id="fp32-2ranks"),
     pytest.param(dict(value_bits=8, dense_wire="bf16", tile_budget=64), 4, id="scale-4ranks"),
-    pytest.param(dict(decode="senders", sparsity=0.99), 4, id="senders-kc2-4ranks")])
+    pytest.param(dict(decode="senders", sparsity=0.99), 4, id="senders-kc2-4ranks"),
+    pytest.param(dict(mask="shared", value_bits=4), 4, id="shared-q4-4ranks"),
+    pytest.param(dict(mask="shared", mask_source="owner"), 2, id="shared-owner-2ranks")])
 def test_elias_fano_offsets_are_lossless_and_cost_what_the_code_says(tmp_path, extra, world_size):
     results = run_ranks(_worker, world_size, tmp_path, extra, 4)
     D = world_size

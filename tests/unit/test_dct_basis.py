@@ -181,14 +181,17 @@ def test_value_bits_is_for_the_dct_exchange():
         parse_scape_config(dict(basis="dct", mask="shared", overlap=True, value_bits=16))
 
 
-def test_index_code_is_for_the_per_rank_dct_exchange():
+def test_index_code_is_for_the_dct_exchange():
     assert parse_scape_config(dict(basis="dct")).index_code == "int16"
     assert parse_scape_config(dict(basis="dct", index_code="elias_fano")).index_code == "elias_fano"
-    with pytest.raises(ValueError, match="index_code 'elias_fano' codes the offsets of basis 'dct''s per-rank "
+    with pytest.raises(ValueError, match="index_code 'elias_fano' codes the offsets of basis 'dct''s "
                                          "exchange: basis 'coordinate' \\(needs 'dct'\\)"):
         parse_scape_config(dict(index_code="elias_fano"))
-    with pytest.raises(ValueError, match="mask 'shared' \\(needs 'per_rank'\\)"):
-        parse_scape_config(dict(basis="dct", mask="shared", index_code="elias_fano"))
+    for source in ("union", "owner"):  # the shared mask's nominations, or its owners' choices
+        assert parse_scape_config(dict(basis="dct", mask="shared", mask_source=source,
+                                       index_code="elias_fano")).index_code == "elias_fano"
+    with pytest.raises(ValueError, match="mask_source 'momentum' \\(needs 'union'\\)"):
+        parse_scape_config(dict(basis="dct", mask="shared", mask_source="momentum", index_code="elias_fano"))
     with pytest.raises(ValueError, match="overlap True \\(needs False\\)"):
         parse_scape_config(dict(basis="dct", overlap=True, index_code="elias_fano"))
     with pytest.raises(ValueError, match="scape.index_code"):
