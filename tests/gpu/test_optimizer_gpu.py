@@ -85,3 +85,22 @@ def test_peak_memory_against_fused_adamw(nccl_world, dtype, limit):
                                                    scape=dict(sparsity=0.99, mask_refresh_interval=10)), dtype)
     print(f"peak {dtype}: AdamW {adamw / 2**20:.0f} MiB, SCAPE {scape / 2**20:.0f} MiB ({scape / adamw:.2f}x)")
     assert scape <= limit * adamw, (scape / adamw, limit)
+
+
+def test_dct_shared_mask_coded_values_run_on_cuda(nccl_world):
+    """The coded union (4-bit values summed at the owner, Elias-Fano offsets) on CUDA tensors over NCCL:
+    its all-to-all, codes and error feedback run on the device and the parameters move (its numbers
+    are checked on gloo ranks in tests/multiprocess/test_dct_quantized.py)."""
+    model = _mlp(2)
+    opt = ScapeAdamS(model.parameters(), lr=1e-3, weight_decay=0.1,
+                     scape=dict(basis="dct", mask="shared", sparsity=0.95, value_bits=4, index_code="elias_fano"))
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(5):
+        x = torch.randn(32, 256, device="cuda", generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.sin(x)).backward()
+        opt.step()
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
+    assert opt.comm.device.type == "cuda" and opt.error_feedback().device.type == "cuda"
