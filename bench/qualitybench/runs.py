@@ -118,15 +118,8 @@ RUNS: dict[str, tuple] = {
     # slots of dct99_shared (kc 90: 88 slots per tile at D = 4 and 8, 90 at D = 2), 1.99-2.04% of the bytes at any D
     "dct_shared16_s978": ("SCAPE dct 0.978, shared mask (nominated union), bf16 values, bf16 dense tensors",
                           "scape_dct.json", dict(mask="shared", sparsity=0.978, value_bits=16, dense_wire="bf16")),
-    # the slope in slots: twice dct_shared16_s978's (176 per tile at D = 8, 3.59% of the bytes), what a coding of the
-    # union's values below 16 bits could buy within 2%
-    "dct_shared16_s956": ("SCAPE dct 0.956, shared mask (nominated union), bf16 values, bf16 dense tensors",
-                          "scape_dct.json", dict(mask="shared", sparsity=0.956, value_bits=16, dense_wire="bf16")),
-    # the union's values coded per tile and summed at each tile's owner (an all-to-all): 8 bits buy 128 slots per
-    # tile at D = 8 within 1.96% of the bytes, 4 bits 168 within 1.94%
-    "dct_shared8_s967": ("SCAPE dct 0.967, shared mask (nominated union), 8-bit values summed at the owner, "
-                         "bf16 dense tensors", "scape_dct.json",
-                         dict(mask="shared", sparsity=0.967, value_bits=8, dense_wire="bf16")),
+    # the union's values coded per tile and summed at each tile's owner (an all-to-all): 4 bits buy 168 slots per
+    # tile at D = 8 within 1.94% of the bytes
     "dct_shared4_s958": ("SCAPE dct 0.958, shared mask (nominated union), 4-bit values summed at the owner, "
                          "bf16 dense tensors", "scape_dct.json",
                          dict(mask="shared", sparsity=0.958, value_bits=4, dense_wire="bf16")),
