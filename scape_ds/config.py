@@ -172,7 +172,8 @@ class ScapeConfig(BaseModel):
     1.017x at 2.01%. per_rank's bytes grow as 0.75 D rho of dense, shared's stay at 1.25 rho
     (docs/design.md, "Transform basis"): per_rank (the default) for the loss up to D = 4, shared for the
     bytes. At D = 8 and 2% of the bytes the union was the better of the two (bf16 values at sparsity
-    0.978: 1.024x dense AdamW's best at lr 4.5e-3, per_rank 1.0365x at its best; bench/RESULTS.md)."""
+    0.978: 1.024x dense AdamW's best at lr 4.5e-3, per_rank 1.0365x at its best; 4-bit values at 0.94
+    with Elias-Fano offsets: 1.0088x at 4.5e-3, one seed; bench/RESULTS.md)."""
 
     mask_source: Literal["union", "owner", "momentum"] = "union"
     """``basis="dct"``, ``mask="shared"``: who chooses the one mask. ``union``: every rank nominates its
