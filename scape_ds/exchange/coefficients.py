@@ -127,6 +127,15 @@ def square_norm_fp64(t: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
+def _all_gather_decoded(comm: Communicator, payload: torch.Tensor, n: int, k_per_chunk: int, bits: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """All-gather this rank's (L,) uint8 ``payload`` of ``n`` coded values and decode every rank's:
+    (D n,) in ``dtype``, rank-major, the same bits on every rank."""
+    every = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (D L,)
+    comm.all_gather(every, payload, "grad_ag")
+    return torch.cat([decode_values(part, n, k_per_chunk, bits) for part in every.view(comm.world_size, -1)]).to(dtype)
+
+
 def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor,
                       chunk_size: int, k_per_chunk: int, bits: int) -> torch.Tensor:
     """``value_bits`` < 32: code this rank's (k,) ``values`` per tile, keep what the coding loses in
@@ -135,10 +144,7 @@ def _all_gather_coded(comm: Communicator, error: torch.Tensor, offsets: torch.Te
     payload = encode_values(values, k_per_chunk, bits)  # (L,) uint8
     sent = decode_values(payload, values.numel(), k_per_chunk, bits).to(values.dtype)  # (k,) what every rank adds
     error.index_copy_(0, offsets_to_index(offsets, chunk_size, k_per_chunk), values - sent)
-    every = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)  # (D L,)
-    comm.all_gather(every, payload, "grad_ag")
-    return torch.cat([decode_values(part, values.numel(), k_per_chunk, bits)
-                      for part in every.view(comm.world_size, -1)]).to(values.dtype)
+    return _all_gather_decoded(comm, payload, values.numel(), k_per_chunk, bits, values.dtype)
 
 
 def _reduce_coded(comm: Communicator, error: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
@@ -165,9 +171,7 @@ def _reduce_coded(comm: Communicator, error: torch.Tensor, index: torch.Tensor, 
     coded = encode_values(total, slots, bits)  # (L,) uint8
     mine = index.view(D, -1)[comm.rank]  # (n,) this owner's slots
     error.index_add_(0, mine, total - decode_values(coded, n, slots, bits).to(values.dtype))
-    every = torch.empty_like(payload)  # (D L,) every owner's coded sums
-    comm.all_gather(every, coded, "grad_ag")
-    return torch.cat([decode_values(p, n, slots, bits) for p in every.view(D, L)]).to(values.dtype)
+    return _all_gather_decoded(comm, coded, n, slots, bits, values.dtype)  # every owner's coded sums
 
 
 def _owners_choice(comm: Communicator, kernels, chunk_size: int, scores: torch.Tensor, k_per_chunk: int,
