@@ -66,7 +66,7 @@ class ScapeConfig(BaseModel):
     each such coordinate's mean gradient per step (``a / w``) instead of the window's sum. The three
     act at dense refresh steps: they need ``dense_refresh``, the ``scape`` or ``topk`` compressor,
     ``hierarchy="flat"`` and ZeRO stage 0/1. Default ``lazy``: none of the three beat it in
-    bench/RESULTS.md ("Update rules at 99% sparsity": 500 steps at 0.99, each at lazy's best lr
+    docs/results_history.md ("Update rules at 99% sparsity": 500 steps at 0.99, each at lazy's best lr
     and more; the more a rule moves the coordinates outside the mask, the worse; and "Each method
     at its best learning rate": 1500 steps at 0.99 and 0.9)."""
 

@@ -57,7 +57,7 @@ step's gradient for those coordinates), so the next mask, the top |m| of each ch
 coordinates inside and outside the old mask on one scale, and the new mask's first AdamS steps are
 not dominated by that momentum. No extra bytes, no extra memory (one (S,) temporary at a refresh).
 
-Measured (bench/RESULTS.md, "Update rules at 99% sparsity"): at lazy's best lr none of the three
+Measured (docs/results_history.md, "Update rules at 99% sparsity"): at lazy's best lr none of the three
 beats "lazy" at 0.45M parameters; the default stays "lazy".
 """
 from __future__ import annotations
