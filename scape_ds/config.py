@@ -173,7 +173,8 @@ class ScapeConfig(BaseModel):
     (docs/design.md, "Transform basis"): per_rank (the default) for the loss up to D = 4, shared for the
     bytes. At D = 8 and 2% of the bytes the union was the better of the two (bf16 values at sparsity
     0.978: 1.024x dense AdamW's best at lr 4.5e-3, per_rank 1.0365x at its best; 4-bit values at 0.94
-    with Elias-Fano offsets: 1.0088x at 4.5e-3, one seed; bench/RESULTS.md)."""
+    with Elias-Fano offsets: 1.0088x at 4.5e-3, and 0.992x at D = 4; bench/RESULTS.md). That last is
+    ds_configs/scape_dct_scale.json, the config for D >= 4."""
 
     mask_source: Literal["union", "owner", "momentum"] = "union"
     """``basis="dct"``, ``mask="shared"``: who chooses the one mask. ``union``: every rank nominates its
@@ -226,9 +227,10 @@ class ScapeConfig(BaseModel):
     leg; the tiles split evenly over the ranks; ``hierarchy "flat"``). per_rank's bytes per sent
     coefficient, its 16-bit offset included: 6 at 32 bits, 3 + 4/kc at 8, 2.5 + 4/kc at 4
     (scape_ds/exchange/quantize.py). On the bench at 2 ranks 8-bit values kept the default's loss (0.999x
-    at 1.57% of the bytes); at 8 ranks the bf16 union with 88 slots per tile (sparsity 0.978, bf16 dense
-    tensors) reached 1.030x dense AdamW's best at 1.99%, per_rank with 4 bits 1.0365x at 2.00%
-    (bench/RESULTS.md, "sixth session")."""
+    at 1.57% of the bytes). 4 bits with ``mask="shared"`` at sparsity 0.94, bf16 dense tensors and
+    Elias-Fano offsets is ``scape_dct_scale.json``: at lr 4.5e-3, 0.992x dense AdamW's best at 4 ranks
+    (1.92% of the bytes) and 1.0088x at 8 (1.96%), where per_rank's best at 2% was 1.0365x
+    (bench/RESULTS.md, "sixth session" and "seventh session")."""
 
     tile_budget: int | None = None
     """``basis="dct"``, ``mask="per_rank"``: the coefficients per tile all the ranks of the exchange send
@@ -236,8 +238,8 @@ class ScapeConfig(BaseModel):
     ranks (the nodes under ``hierarchy "node"``; at most every coefficient of the tile), which sets
     ``sparsity`` (not given with it). per_rank's
     bytes, about 0.75 D rho, then stay about the same whatever D: 224 with ``value_bits`` 8,
-    ``dense_wire "bf16"`` and ``index_code "elias_fano"`` (``scape_dct_scale.json``) is 1.82% and 1.94%
-    of the dense bytes at D = 4 and 8 on the bench model (bench/RESULTS.md)."""
+    ``dense_wire "bf16"`` and ``index_code "elias_fano"`` (``scape_dct_scale.json`` until the coded union
+    replaced it) is 1.82% and 1.94% of the dense bytes at D = 4 and 8 on the bench model (bench/RESULTS.md)."""
 
     decode: Literal["ranks", "senders"] = "ranks"
     """``basis="dct"``, ``mask="per_rank"``: how the received coefficients become the mean u decodes.
@@ -262,8 +264,8 @@ class ScapeConfig(BaseModel):
     all-reduced every step. ``bf16`` halves those bytes: each rank adds its gradient to an error
     feedback of its own (fp32, one per dense element), sends that rounded to bf16 and keeps what the
     rounding lost; the all-reduce then sums bf16 values (its own rounding is not fed back). Measured on
-    the bench only together with 8-bit values and ``tile_budget`` (``scape_dct_scale.json``,
-    bench/RESULTS.md), not alone."""
+    the bench only together with coded values (8 bits with ``tile_budget``; 4 bits with the shared mask,
+    ``scape_dct_scale.json``; bench/RESULTS.md), not alone."""
 
     clip_local: float = 0.0
     """Clip each rank's own gradient to this global norm before it enters the error feedback (0: off).

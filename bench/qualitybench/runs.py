@@ -22,8 +22,11 @@ LOCAL_LEVERS = dict(outer_update="nesterov", outer_lr=1.0, outer_momentum=0.0, e
                     dense_wire="bf16", index_code="elias_fano")
 # the ceiling of compression: LOCAL_LEVERS' outer recipe at lr 1.3 with every coefficient sent in fp32
 LOCAL_DENSE = dict(LOCAL_LEVERS, sparsity=0.0, value_bits=32, dense_wire="fp32", index_code="int16", outer_lr=1.3)
-# scape_dct_scale.json with 4-bit values spent on 312 // D per tile (39 at D = 8, within 2.0% of the bytes)
-Q4_B312 = dict(tile_budget=312, value_bits=4)
+# scape_dct_scale.json until it moved to the coded union (issue 45, seventh session): per_rank, tile_budget // D
+# per tile, 8-bit values, bf16 dense tensors, Elias-Fano offsets; the entries that ran on it pin it over scape_dct.json
+PER_RANK_SCALE = dict(sparsity=None, value_bits=8, dense_wire="bf16", index_code="elias_fano")
+# that config with 4-bit values spent on 312 // D per tile (39 at D = 8, within 2.0% of the bytes)
+Q4_B312 = dict(PER_RANK_SCALE, tile_budget=312, value_bits=4)
 # the inner lr scape_local.json carried before it moved to 4.5e-3: the local-steps rows ran at it unless --lr said
 LOCAL_LR = dict(lr=3e-3)
 RUNS: dict[str, tuple] = {
@@ -154,41 +157,42 @@ RUNS: dict[str, tuple] = {
     # issue 45: per_rank with bytes flat in D (tile_budget 160: 160 // D per tile), 8-bit values, bf16 dense;
     # its rows ran before scape_dct_scale.json shipped Elias-Fano offsets, so it keeps int16 ones
     "dct_scale": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors "
-                  "(scape_dct_scale.json, int16 offsets)", "scape_dct_scale.json",
-                  dict(index_code="int16", tile_budget=160)),
+                  "(scape_dct_scale.json until it moved to the union, int16 offsets)", "scape_dct.json",
+                  dict(PER_RANK_SCALE, index_code="int16", tile_budget=160)),
     # issue 45: scape_dct_scale.json with Elias-Fano offsets (lossless: the same loss as dct_scale), at 160
     # and at 224 (shipped since)
     "dct_scale_ef": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
-                     "Elias-Fano offsets (scape_dct_scale.json until it moved to 224)", "scape_dct_scale.json",
-                     dict(tile_budget=160)),
+                     "Elias-Fano offsets (scape_dct_scale.json until it moved to 224)", "scape_dct.json",
+                     dict(PER_RANK_SCALE, tile_budget=160)),
     "dct_scale_ef_b224": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
-                          "Elias-Fano offsets (scape_dct_scale.json)", "scape_dct_scale.json", dict(tile_budget=224)),
+                          "Elias-Fano offsets (scape_dct_scale.json until it moved to the union)", "scape_dct.json",
+                          dict(PER_RANK_SCALE, tile_budget=224)),
     # issue 45: scape_dct_scale.json decoding each coefficient over the ranks that sent it (decode "senders"), not
     # over D: the probe's direction gains with D (docs/design.md), no byte more
     "dct_scale_b224_senders": ("SCAPE dct, per-rank masks, 224 // D per tile, 8-bit values, bf16 dense tensors, "
-                               "Elias-Fano offsets, mean over senders", "scape_dct_scale.json",
-                               dict(tile_budget=224, decode="senders")),
+                               "Elias-Fano offsets, mean over senders", "scape_dct.json",
+                               dict(PER_RANK_SCALE, tile_budget=224, decode="senders")),
     # issue 45: does AdamS on the dense tensors keep the sign update from a higher lr? `dct_scale` (160 // D) with
     # them stepped by AdamW (ABLATIONS)
     "dct_scale_dense_adamw": ("SCAPE dct, per-rank masks, 160 // D per tile, 8-bit values, bf16 dense tensors, "
-                              "int16 offsets, dense tensors by AdamW (ablation)", "scape_dct_scale.json",
-                              dict(index_code="int16", tile_budget=160)),
+                              "int16 offsets, dense tensors by AdamW (ablation)", "scape_dct.json",
+                              dict(PER_RANK_SCALE, index_code="int16", tile_budget=160)),
     # issue 45: 4-bit values (per-tile absmax) spent on more coefficients, 288 // D per tile: fewer bytes than 224 at
     # 8 bits (1.73% against 1.82% at D = 4, 1.89% against 1.94% at D = 8)
     "dct_scale_q4_b288": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
-                          "Elias-Fano offsets", "scape_dct_scale.json", dict(tile_budget=288, value_bits=4)),
+                          "Elias-Fano offsets", "scape_dct.json", dict(PER_RANK_SCALE, tile_budget=288, value_bits=4)),
     "dct_scale_q4_b288_senders": ("SCAPE dct, per-rank masks, 288 // D per tile, 4-bit values, bf16 dense tensors, "
-                                  "Elias-Fano offsets, mean over senders", "scape_dct_scale.json",
-                                  dict(tile_budget=288, value_bits=4, decode="senders")),
+                                  "Elias-Fano offsets, mean over senders", "scape_dct.json",
+                                  dict(PER_RANK_SCALE, tile_budget=288, value_bits=4, decode="senders")),
     # issue 45 at D = 8: per-rank count was the lever there (20 -> 28 per tile: 1.084x -> 1.044x); 4-bit values
     # buy 39 per tile at D = 8 within 2.0% of the bytes (1.999%)
     "dct_scale_q4_b312": ("SCAPE dct, per-rank masks, 312 // D per tile, 4-bit values, bf16 dense tensors, "
-                          "Elias-Fano offsets", "scape_dct_scale.json", Q4_B312),
+                          "Elias-Fano offsets", "scape_dct.json", Q4_B312),
     # issue 45 at D = 8: against AdamW at the same lr the sign update leads until step ~1000 and loses ground in the
     # cosine's tail, more so as D grows; is it the floor (0.1 x lr: every parameter still moves by +-3e-4 a step)?
     # Both sides annealed to 0 (SCHEDULES)
     "dct_scale_q4_b312_floor0": ("SCAPE dct, per-rank masks, 312 // D per tile, 4-bit values, bf16 dense tensors, "
-                                 "Elias-Fano offsets, cosine to 0", "scape_dct_scale.json", Q4_B312),
+                                 "Elias-Fano offsets, cosine to 0", "scape_dct.json", Q4_B312),
     "adamw_floor0": ("dense AdamW, cosine to 0", "dense_adamw.json", {}),
     # (until scape_local.json moved to the H = 100 recipe below: these rows ran its H = 30 settings, pinned here)
     "local30_dct99": ("SCAPE local steps H=30 (AdamW inner, Nesterov 0.7/0.9), dct 0.99", "scape_local.json",

@@ -196,20 +196,24 @@ def _worker_scale_config(rank, world_size, tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_scale_config_as_shipped_sends_the_budget_over_d(tmp_path, world_size):
-    # ds_configs/scape_dct_scale.json: tile_budget 224 (here over 16 x 16 tiles), 8-bit values, bf16
-    # dense tensors, Elias-Fano offsets; each rank's payload is one byte per value plus one fp32 scale per
-    # tile, its offsets kc l low bits and a bitmap of kc + 256 / 2^l bits a tile, l = floor(log2(256 / kc))
+def test_scale_config_as_shipped_sends_a_coded_union_whatever_d(tmp_path, world_size):
+    # ds_configs/scape_dct_scale.json: the shared mask at 0.94 (here kc = round(0.06 x 256) = 15 of each
+    # 16 x 16 tile), each rank nominating K = kc // D in Elias-Fano code (K l low bits and a bitmap of K + 256 /
+    # 2^l bits a tile, l = floor(log2(256 / K))); the D K slots of each owner's tiles go as 4-bit codes and one
+    # fp32 scale a tile, once to the owner (all-to-all) and once as its coded sums (all-gather); bf16 dense
     results = run_ranks(_worker_scale_config, world_size, tmp_path)
-    D, kc = world_size, 224 // world_size
+    D, K = world_size, 15 // world_size
     for r in results:
-        assert r["kc"] == kc and r["equal"], (r["kc"], r["equal"])
+        assert r["kc"] == 15 and r["equal"], (r["kc"], r["equal"])
         assert r["losses"][-1] < r["losses"][0]
     r = results[0]
-    assert r["by_tag"]["grad_ag"] == (D - 1) * r["n_chunks"] * (kc + 4), r["by_tag"]
-    low = {112: 1, 56: 2}[kc]  # floor(log2(256 / kc))
-    assert r["by_tag"]["index_ag"] == (D - 1) * r["n_chunks"] * ((kc * low + kc + 256 // 2**low + 7) // 8), r["by_tag"]
-    assert r["by_tag"]["dense_ar"] == collective_bytes("all_reduce", r["n_dense"] * 2, D), r["by_tag"]  # bf16
+    n_chunks = r["n_chunks"]
+    assert n_chunks % D == 0
+    low = {7: 5, 3: 6}[K]  # floor(log2(256 / K))
+    payload = (n_chunks * K + 1) // 2 + 4 * (n_chunks // D)  # one owner's n_chunks / D tiles of D K slots
+    assert r["by_tag"] == {"index_ag": (D - 1) * n_chunks * ((K * low + K + 256 // 2**low + 7) // 8),
+                           "grad_a2a": (D - 1) * payload, "grad_ag": (D - 1) * payload,
+                           "dense_ar": collective_bytes("all_reduce", r["n_dense"] * 2, D)}, r["by_tag"]
 
 
 def _worker_local_steps_size(rank, world_size, tmp_path, ckpt):

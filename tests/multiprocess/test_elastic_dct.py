@@ -8,9 +8,10 @@ order, to the old ranks' sum taken in rank order in fp64 and rounded once, each 
 at the place they had (only the padding tiles after them move with D); the replicated momentum is old
 rank 0's, the per-owner momentum of ``mask_source "momentum"`` re-cut, held masks dropped; the states
 load on D' ranks and step. On gloo ranks, DeepSpeed engines with ds_configs/scape_dct.json's scape
-block (and a shared-mask, owner-momentum, ``signum`` variant) train 3 steps on 2 ranks and save;
-1 rank and 4 ranks load it (4: in memory, and from ``python -m scape_ds.checkpoint convert``'s tag,
-bitwise the same), and train 2 more steps with the replicas bitwise equal.
+block (and a shared-mask, owner-momentum, ``signum`` variant, and ds_configs/scape_dct_scale.json's
+coded union) train 3 steps on 2 ranks and save; 1 rank and 4 ranks load it (4: in memory, and from
+``python -m scape_ds.checkpoint convert``'s tag, bitwise the same), and train 2 more steps with the
+replicas bitwise equal.
 
 The tiny GPT with ``dense_numel_threshold`` 1024 has 17 tiles of 64 x 64 (the position embedding's
 32 x 64 one padded inside its tile): 17, 18 and 20 tiles at D = 1, 2 and 4, so both loads move the
@@ -160,9 +161,12 @@ def test_dct_there_and_back_keeps_the_sum_and_the_owner_momentum():
 
 
 # ---------------------------------------------------------------- DeepSpeed engines on gloo ranks
-RUNS = {
-    "per_rank": dict(dense_numel_threshold=1024),  # ds_configs/scape_dct.json's block otherwise
-    "momentum": dict(dense_numel_threshold=1024, mask="shared", mask_source="momentum", dct_update="signum"),
+RUNS = {  # name: (ds_configs/ file, changes to its scape block)
+    "per_rank": ("scape_dct.json", dict(dense_numel_threshold=1024)),
+    "momentum": ("scape_dct.json", dict(dense_numel_threshold=1024, mask="shared", mask_source="momentum",
+                                        dct_update="signum")),
+    # the coded union as shipped: 4-bit values summed at each tile's owner, Elias-Fano nominations, bf16 dense
+    "scale": ("scape_dct_scale.json", dict(dense_numel_threshold=1024)),
 }
 SAVED_AT = 3
 MORE = 2  # steps after each load
@@ -196,8 +200,8 @@ def _worker(rank, world_size, tmp_path, root, converted):
 
     train, _ = build_datasets()
     out = {}
-    for name, scape in RUNS.items():
-        engine = _engine(_config("scape_dct.json", **scape))
+    for name, (file, scape) in RUNS.items():
+        engine = _engine(_config(file, **scape))
         opt = scape_optimizer(engine)
         ckpt = os.path.join(root, name)
         if world_size == 2:  # the run that saves
@@ -209,7 +213,7 @@ def _worker(rank, world_size, tmp_path, root, converted):
         assert client["step"] == SAVED_AT and engine.global_steps == SAVED_AT and opt.step_count == SAVED_AT, tag
         loaded = dict(params=_params(engine), state=_state(opt))
         if converted is not None:  # the same checkpoint through the offline converter's tag
-            other = _engine(_config("scape_dct.json", **scape))
+            other = _engine(_config(file, **scape))
             load_checkpoint(other, os.path.join(converted, name))
             loaded["converted"] = dict(params=_params(other), state=_state(scape_optimizer(other)))
         losses = _steps(engine, train, SAVED_AT, SAVED_AT + 1)

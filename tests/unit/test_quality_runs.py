@@ -82,6 +82,19 @@ def test_config_lr_override_and_method_columns():
     assert methods["adamw"]["sparsity"] == 0.0 and methods["adamw"]["update_rule"] == ""
 
 
+def test_the_shipped_scale_config_is_the_bench_run_it_reports():
+    # ds_configs/scape_dct_scale.json is what README's D = 4 and 8 rows measured: dct_shared4ef_s940 at 4.5e-3;
+    # the entries that ran on its per_rank predecessor pin that config (PER_RANK_SCALE) over scape_dct.json
+    with open(os.path.join(REPO, "ds_configs", "scape_dct_scale.json"), encoding="utf-8") as f:
+        shipped = json.load(f)
+    bench = runs.make_config("dct_shared4ef_s940", 1500, 16, 20, lr=4.5e-3)
+    assert shipped["scape"] == bench["scape"]
+    assert shipped["optimizer"] == bench["optimizer"]
+    old = runs.make_config("dct_scale_ef_b224", 1500, 16, 20)["scape"]
+    assert old["mask"] == "per_rank" and old["tile_budget"] == 224 and "sparsity" not in old
+    assert (old["value_bits"], old["dense_wire"], old["index_code"]) == (8, "bf16", "elias_fano")
+
+
 def test_local_steps_column_for_new_rows_and_rows_written_before_it(tmp_path):
     steps = {n: runs.describe(n, runs.make_config(n, 10, 16, 5))["local_steps"]
              for n in ("adamw", "dct99", "demo", "diloco_H100", "sparseloco_H30", "local30_dct99")}
