@@ -27,7 +27,7 @@ def _save_png(fig, path: str, colors: int = 64) -> None:
 
 def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     """Validation loss vs step, one panel per (settings, learning-rate class: 3e-3, 1e-3, others), each with
-    dense AdamW at its default lr dashed when it is not in the panel."""
+    dense AdamW at its best lr for those settings dashed when it is not in the panel."""
     import matplotlib
 
     matplotlib.use("Agg")

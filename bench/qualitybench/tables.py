@@ -26,7 +26,6 @@ from .runs import (
     make_config,
     resolve_opts,
     run_id,
-    run_lr,
 )
 
 
@@ -182,17 +181,16 @@ def _local_steps_of(name: str):
 
 
 def _reference(rows: dict[str, dict], row: dict) -> dict | None:
-    """The dense AdamW row (its own default lr) with the settings of ``row``."""
-    for r in rows.values():
-        if r["run"].split("__")[0] == "adamw" and _settings(r) == _settings(row) and \
-                _num(r["lr"]) == run_lr("adamw"):
-            return r
-    return None
+    """The dense AdamW row with the settings of ``row`` at AdamW's best lr there (the lowest validation
+    loss of the lrs run), or None."""
+    same = [r for r in rows.values() if config_key(r) == "dense AdamW" and _settings(r) == _settings(row)]
+    return min(same, key=lambda r: _num(r["val_loss"])) if same else None
 
 
 def table(rows: dict[str, dict]) -> str:
-    """Markdown table: final validation loss, ratio to dense AdamW (same settings), bytes sent / dense, wall time."""
-    lines = ["| run | final val loss | / dense AdamW | bytes sent / dense | wall s | updated / step (last 100) "
+    """Markdown table: final validation loss, ratio to dense AdamW at its best lr (same settings), bytes sent /
+    dense, wall time."""
+    lines = ["| run | final val loss | / best dense AdamW | bytes sent / dense | wall s | updated / step (last 100) "
              "| mean abs displacement |", "|---|---|---|---|---|---|---|"]
     for rid, r in rows.items():
         ref = _reference(rows, r)

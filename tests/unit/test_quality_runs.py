@@ -279,6 +279,11 @@ def test_best_lr_table_and_plot(tmp_path):
     assert [line.split(" | ")[1] for line in lines] == [  # best first; the 30-step group has no AdamW row
         "dense AdamW", "SCAPE 0.99, T=100, masks re-chosen every 50 steps", "SCAPE 0.99, T=100"]
     assert lines[2].endswith("| SCAPE 0.99, T=100 | 0.006 (0.003, 0.006) | 2.2500 | 1.250x | 2.78% |")
+    # the per-run table's ratio: over AdamW at its best lr for the same settings (1.8 at 1e-3), "-" without one
+    ratios = {line.split(" | ")[0][2:]: line.split(" | ")[2]
+              for line in tables.table({k: dict(r, wall_s=1) for k, r in rows.items()}).splitlines()[2:]}
+    assert ratios["scape99__steps20_lr0.006"] == "1.2500" and ratios["adamw__steps20"] == "1.1111"
+    assert ratios["scape99__steps30"] == "-"
     curves = {rid: [(10, r["val_loss"] + 0.5), (20, r["val_loss"])] for rid, r in rows.items()}
     plots.plot_best(rows, curves, str(tmp_path / runs.BEST_PNG))
     assert os.path.getsize(tmp_path / runs.BEST_PNG) > 0
