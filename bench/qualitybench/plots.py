@@ -49,10 +49,11 @@ def plot(rows: dict[str, dict], curves: dict[str, list], path: str) -> None:
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
     colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # 20 distinct: a panel has up to 14 runs
+    groups = best_by_lr(rows)
     for ax, key in zip(axes.flat, keys):
         ids = panels[key]
         ax.set_prop_cycle(color=colors)
-        ref = _reference(rows, rows[ids[0]])
+        ref = _reference(groups, rows[ids[0]])
         if ref and ref["run"] not in ids and curves.get(ref["run"]):
             steps, vals = zip(*curves[ref["run"]])
             ax.plot(steps, vals, "k--", label=f"{ref['label']} (lr {_num(ref['lr']):g})")

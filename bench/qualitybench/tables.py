@@ -180,11 +180,11 @@ def _local_steps_of(name: str):
         "local_steps"]
 
 
-def _reference(rows: dict[str, dict], row: dict) -> dict | None:
-    """The dense AdamW row with the settings of ``row`` at AdamW's best lr there (the lowest validation
-    loss of the lrs run), or None."""
-    same = [r for r in rows.values() if config_key(r) == "dense AdamW" and _settings(r) == _settings(row)]
-    return min(same, key=lambda r: _num(r["val_loss"])) if same else None
+def _reference(groups: dict[tuple, dict[str, tuple[dict, list[float]]]], row: dict) -> dict | None:
+    """The dense AdamW row with the settings of ``row`` at AdamW's best lr there, from ``groups``
+    (:func:`best_by_lr` of the rows), or None."""
+    best = groups.get(_settings(row), {}).get("dense AdamW")
+    return best[0] if best else None
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -192,8 +192,9 @@ def table(rows: dict[str, dict]) -> str:
     dense, wall time."""
     lines = ["| run | final val loss | / best dense AdamW | bytes sent / dense | wall s | updated / step (last 100) "
              "| mean abs displacement |", "|---|---|---|---|---|---|---|"]
+    groups = best_by_lr(rows)
     for rid, r in rows.items():
-        ref = _reference(rows, r)
+        ref = _reference(groups, r)
         ratio = f"{_num(r['val_loss']) / _num(ref['val_loss']):.4f}" if ref else "-"
         step_frac = _num(r.get("mean_step_frac_last_window"))
         disp = _num(r.get("mean_abs_displacement"))
